@@ -1,0 +1,177 @@
+"""Schedule builders: the only place where pipeline ordering is decided.
+
+Each builder returns, per pipeline rank, the order of F and B actions. Stage s lives on rank s mod P.
+"""
+
+from __future__ import annotations
+
+from .ir import Action, Op, Schedule, ScheduleError, SCHEDULE_NAMES
+
+
+def _check_common(pp: int, vp: int, microbatches: int) -> None:
+    if pp < 1:
+        raise ScheduleError(f"--pp (--pipeline-model-parallel-size) must be >= 1 (got {pp})")
+    if vp < 1:
+        raise ScheduleError(f"--vp must be >= 1 (got {vp})")
+    if microbatches < 1:
+        raise ScheduleError(f"--microbatches must be >= 1 (got {microbatches})")
+
+
+def gpipe(pp: int, microbatches: int, forward_only: bool = False) -> Schedule:
+    """All forwards, then all backwards (V = 1)."""
+    _check_common(pp, 1, microbatches)
+    ranks = []
+    for r in range(pp):
+        acts = [Action(Op.F, r, m) for m in range(microbatches)]
+        if not forward_only:
+            acts += [Action(Op.B, r, m) for m in range(microbatches)]
+        ranks.append(acts)
+    return Schedule("gpipe", pp, 1, microbatches, None, ranks, forward_only=forward_only)
+
+
+def one_f_one_b(pp: int, microbatches: int, forward_only: bool = False) -> Schedule:
+    """Megatron-Core's non-interleaved 1F1B: P - r - 1 warm-up forwards, then alternate, then drain."""
+    _check_common(pp, 1, microbatches)
+    ranks = []
+    for r in range(pp):
+        if forward_only:
+            ranks.append([Action(Op.F, r, m) for m in range(microbatches)])
+            continue
+        warmup = min(pp - r - 1, microbatches)
+        acts = [Action(Op.F, r, m) for m in range(warmup)]
+        for k in range(microbatches - warmup):
+            acts += [Action(Op.F, r, warmup + k), Action(Op.B, r, k)]
+        acts += [Action(Op.B, r, m) for m in range(microbatches - warmup, microbatches)]
+        ranks.append(acts)
+    return Schedule("1f1b", pp, 1, microbatches, None, ranks, forward_only=forward_only)
+
+
+def megatron_schedule_table(microbatches: int, vp: int, group_size: int) -> list[tuple[int, int]]:
+    """(microbatch, chunk) per virtual micro-batch: same table as Megatron-Core's `get_schedule_table`."""
+    table: list[tuple[int, int]] = []
+    for start in range(0, microbatches, group_size):
+        end = microbatches if start + group_size >= microbatches else start + group_size
+        table += [(m, c) for c in range(vp) for m in range(start, end)]
+    return table
+
+
+def interleaved_warmup(pp: int, rank: int, vp: int, microbatches: int, group_size: int) -> int:
+    """Warm-up forwards on `rank`, as Megatron-Core's `get_pp_rank_microbatches` counts them."""
+    warmup = (pp - rank - 1) * 2 + (vp - 1) * group_size
+    return min(warmup, microbatches * vp)
+
+
+def check_interleaved(pp: int, vp: int, microbatches: int, group_size: int) -> None:
+    if vp < 2:
+        raise ScheduleError(
+            "--schedule (--pipeline-schedule) interleaved-1f1b needs virtual stages: set --vp (or "
+            "--num-layers-per-virtual-pipeline-stage) so that V >= 2, or use 1f1b for V = 1"
+        )
+    if microbatches < pp:
+        raise ScheduleError(
+            f"interleaved-1f1b needs at least P={pp} micro-batches (got M={microbatches}): raise the global "
+            "batch size or lower the micro-batch size, or use breadth-first"
+        )
+    if not pp <= group_size <= microbatches:
+        raise ScheduleError(
+            f"--group-size (--microbatch-group-size-per-virtual-pipeline-stage) must lie in [P={pp}, "
+            f"M={microbatches}] for interleaved-1f1b (got {group_size})"
+        )
+    remainder = microbatches % group_size
+    if 0 < remainder < pp:
+        raise ScheduleError(
+            f"--group-size {group_size} leaves a last group of {remainder} < P={pp} micro-batches: choose a "
+            f"group size that divides M={microbatches} or leaves a remainder >= P"
+        )
+
+
+def interleaved_1f1b(
+    pp: int, vp: int, microbatches: int, group_size: int | None = None, forward_only: bool = False
+) -> Schedule:
+    """Depth-first: Megatron-Core's interleaved 1F1B order, with its micro-batch group size (default P)."""
+    _check_common(pp, vp, microbatches)
+    g = pp if group_size is None else group_size
+    check_interleaved(pp, vp, microbatches, g)
+    table = megatron_schedule_table(microbatches, vp, g)
+    total = len(table)
+
+    def fwd(r: int, k: int) -> Action:
+        m, c = table[k]
+        return Action(Op.F, c * pp + r, m)
+
+    def bwd(r: int, k: int) -> Action:
+        m, c = table[k]
+        return Action(Op.B, (vp - 1 - c) * pp + r, m)
+
+    ranks = []
+    for r in range(pp):
+        if forward_only:
+            ranks.append([fwd(r, k) for k in range(total)])
+            continue
+        warmup = interleaved_warmup(pp, r, vp, microbatches, g)
+        acts = [fwd(r, k) for k in range(warmup)]
+        for k in range(total - warmup):
+            acts += [fwd(r, warmup + k), bwd(r, k)]
+        acts += [bwd(r, k) for k in range(total - warmup, total)]
+        ranks.append(acts)
+    return Schedule("interleaved-1f1b", pp, vp, microbatches, g, ranks, forward_only=forward_only)
+
+
+def check_breadth_first(pp: int, vp: int, microbatches: int, group_size: int) -> None:
+    if vp < 2:
+        raise ScheduleError(
+            "--schedule (--pipeline-schedule) breadth-first needs virtual stages: set --vp (or "
+            "--num-layers-per-virtual-pipeline-stage) so that V >= 2, or use gpipe for V = 1"
+        )
+    if not 1 <= group_size <= microbatches:
+        raise ScheduleError(
+            f"--group-size (--microbatch-group-size-per-virtual-pipeline-stage) must lie in [1, M={microbatches}] "
+            f"for breadth-first (got {group_size}); groups of at least P={pp} avoid extra bubbles"
+        )
+
+
+def breadth_first(
+    pp: int, vp: int, microbatches: int, group_size: int | None = None, forward_only: bool = False
+) -> Schedule:
+    """Breadth-first: per group of G consecutive micro-batches, every micro-batch through each local stage in
+    increasing stage order, then all backwards in decreasing stage order; groups run one after the other."""
+    _check_common(pp, vp, microbatches)
+    g = microbatches if group_size is None else group_size
+    check_breadth_first(pp, vp, microbatches, g)
+    groups = [range(s, min(s + g, microbatches)) for s in range(0, microbatches, g)]
+    ranks = []
+    for r in range(pp):
+        acts: list[Action] = []
+        for group in groups:
+            for c in range(vp):
+                acts += [Action(Op.F, c * pp + r, m) for m in group]
+            if not forward_only:
+                for c in reversed(range(vp)):
+                    acts += [Action(Op.B, c * pp + r, m) for m in group]
+        ranks.append(acts)
+    return Schedule("breadth-first", pp, vp, microbatches, g, ranks, forward_only=forward_only)
+
+
+def build(
+    name: str,
+    pp: int,
+    vp: int,
+    microbatches: int,
+    group_size: int | None = None,
+    forward_only: bool = False,
+) -> Schedule:
+    """Build the F/B order of schedule `name` for P = pp ranks, V = vp stages per rank, M micro-batches."""
+    if name in ("gpipe", "1f1b"):
+        if vp != 1:
+            raise ScheduleError(
+                f"--schedule (--pipeline-schedule) {name} runs one stage per rank (V = 1, got V = {vp}): use "
+                "interleaved-1f1b or breadth-first for virtual stages"
+            )
+        if group_size is not None:
+            raise ScheduleError(f"--group-size does not apply to --schedule (--pipeline-schedule) {name}: drop it")
+        return (gpipe if name == "gpipe" else one_f_one_b)(pp, microbatches, forward_only)
+    if name == "interleaved-1f1b":
+        return interleaved_1f1b(pp, vp, microbatches, group_size, forward_only)
+    if name == "breadth-first":
+        return breadth_first(pp, vp, microbatches, group_size, forward_only)
+    raise ScheduleError(f"unknown --schedule (--pipeline-schedule) {name!r}: choose one of {', '.join(SCHEDULE_NAMES)}")

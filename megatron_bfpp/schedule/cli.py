@@ -1,0 +1,48 @@
+"""`bfpp schedule`: build, lower and validate a schedule and print it as text, JSON or CSV."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import make_schedule, to_csv, to_json
+from .ir import SCHEDULE_NAMES, ScheduleError
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bfpp schedule", description=__doc__)
+    p.add_argument("--schedule", required=True, choices=SCHEDULE_NAMES)
+    p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size P")
+    p.add_argument("--vp", type=int, default=1, help="stages per pipeline rank V (default 1)")
+    p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step M")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="interleaved: Megatron's micro-batch group size (default P); breadth-first: micro-batches "
+                        "per breadth-first group (default M)")
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
+                   help="add data-parallel GATHER/RELEASE/REDUCE for this ZeRO stage (implies --lowered)")
+    p.add_argument("--weight-buffers", type=int, default=2)
+    p.add_argument("--grad-buffers", type=int, default=2)
+    p.add_argument("--forward-only", action="store_true")
+    p.add_argument("--lowered", action="store_true", help="include p2p (and data-parallel) actions")
+    p.add_argument("--format", choices=("text", "json", "csv"), default="text")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        sched = make_schedule(
+            args.schedule, args.pp, args.vp, args.microbatches, args.group_size,
+            zero_stage=args.zero_stage, lowered=args.lowered or args.zero_stage is not None,
+            forward_only=args.forward_only, weight_buffers=args.weight_buffers, grad_buffers=args.grad_buffers,
+        )
+    except ScheduleError as e:
+        print(f"bfpp schedule: error: {e}", file=sys.stderr)
+        return 2
+    out = {"text": sched.to_text, "json": lambda: to_json(sched) + "\n", "csv": lambda: to_csv(sched)}[args.format]()
+    sys.stdout.write(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The schedule IR: actions, per-rank action lists, and the compact text form.
+
+An action is (op, stage, microbatch). Stage s lives on pipeline rank s mod P (Megatron's interleaved
+placement); its local model-chunk index on that rank is s // P.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+
+
+class Op(str, enum.Enum):
+    F = "F"  # forward of one (stage, microbatch)
+    B = "B"  # backward of one (stage, microbatch)
+    SEND_F = "SEND_F"  # send stage's forward output to stage + 1
+    RECV_F = "RECV_F"  # receive stage's forward input from stage - 1
+    SEND_B = "SEND_B"  # send gradient of stage's input to stage - 1
+    RECV_B = "RECV_B"  # receive gradient of stage's output from stage + 1
+    GATHER = "GATHER"  # all-gather a stage's parameters (ZeRO-3)
+    RELEASE = "RELEASE"  # free the gathered copy of a stage's parameters
+    REDUCE = "REDUCE"  # reduce-scatter a stage's gradients into the local shard
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMPUTE_OPS = frozenset({Op.F, Op.B})
+P2P_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
+DP_OPS = frozenset({Op.GATHER, Op.RELEASE, Op.REDUCE})
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first")
+
+
+class ScheduleError(ValueError):
+    """A schedule (or its configuration) is invalid. The message names the flag or the rank/step/action."""
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    op: Op
+    stage: int
+    microbatch: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op, Op):
+            object.__setattr__(self, "op", Op(self.op))
+        if self.op in DP_OPS and self.microbatch is not None:
+            raise ScheduleError(f"{self.op} carries no microbatch (got {self.microbatch})")
+        if self.op not in DP_OPS and self.microbatch is None:
+            raise ScheduleError(f"{self.op} needs a microbatch")
+
+    @property
+    def text(self) -> str:
+        """Compact form: `F4:0` (op, stage, microbatch) or `GATHER4` (data-parallel ops)."""
+        if self.microbatch is None:
+            return f"{self.op.value}{self.stage}"
+        return f"{self.op.value}{self.stage}:{self.microbatch}"
+
+    def __str__(self) -> str:
+        return self.text
+
+    def to_dict(self) -> dict:
+        return {"op": self.op.value, "stage": self.stage, "microbatch": self.microbatch}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Action":
+        mb = d.get("microbatch")
+        return Action(Op(d["op"]), int(d["stage"]), None if mb is None or mb == "" else int(mb))
+
+    @staticmethod
+    def parse(text: str) -> "Action":
+        m = _ACTION_RE.fullmatch(text.strip())
+        if not m:
+            raise ScheduleError(f"cannot parse action {text!r}: expected e.g. 'F4:0', 'SEND_B3:1' or 'GATHER2'")
+        op, stage, mb = m.group(1), int(m.group(2)), m.group(3)
+        return Action(Op(op), stage, None if mb is None else int(mb))
+
+
+_ACTION_RE = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|GATHER|RELEASE|REDUCE|F|B)(\d+)(?::(\d+))?")
+
+
+@dataclass
+class Schedule:
+    """Per-rank action lists plus the configuration they were built for."""
+
+    name: str
+    pp: int
+    vp: int
+    microbatches: int
+    group_size: int | None
+    ranks: list[list[Action]]
+    zero_stage: int | None = None  # set once data-parallel actions are lowered in
+    lowered: bool = False  # p2p actions present
+    forward_only: bool = False
+    weight_buffers: int = 2
+    grad_buffers: int = 2
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vp
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.pp
+
+    def chunk_of(self, stage: int) -> int:
+        return stage // self.pp
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [rank + c * self.pp for c in range(self.vp)]
+
+    def compute_actions(self, rank: int) -> list[Action]:
+        return [a for a in self.ranks[rank] if a.op in COMPUTE_OPS]
+
+    def count(self, rank: int, op: Op) -> int:
+        return sum(1 for a in self.ranks[rank] if a.op == op)
+
+    def header(self) -> str:
+        return (
+            f"# schedule={self.name} pp={self.pp} vp={self.vp} microbatches={self.microbatches} "
+            f"group_size={self.group_size} zero_stage={self.zero_stage} lowered={int(self.lowered)} "
+            f"forward_only={int(self.forward_only)} weight_buffers={self.weight_buffers} "
+            f"grad_buffers={self.grad_buffers}"
+        )
+
+    def to_text(self) -> str:
+        lines = [self.header()]
+        for r, actions in enumerate(self.ranks):
+            lines.append(f"rank {r}: " + " ".join(a.text for a in actions))
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def from_text(text: str) -> "Schedule":
+        header: dict[str, str] = {}
+        ranks: dict[int, list[Action]] = {}
+        for line in text.splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("#"):
+                for tok in line[1:].split():
+                    if "=" in tok:
+                        k, v = tok.split("=", 1)
+                        header[k] = v
+                continue
+            m = re.fullmatch(r"rank\s+(\d+)\s*:(.*)", line)
+            if not m:
+                raise ScheduleError(f"cannot parse schedule line {line!r}: expected 'rank R: F0:0 B0:0 ...'")
+            ranks[int(m.group(1))] = [Action.parse(t) for t in m.group(2).split()]
+        return _schedule_from_parts(header, ranks)
+
+
+def _opt_int(v: object) -> int | None:
+    return None if v in (None, "None", "null", "") else int(v)  # type: ignore[arg-type]
+
+
+def _schedule_from_parts(header: dict, ranks: dict[int, list[Action]]) -> Schedule:
+    if not ranks:
+        raise ScheduleError("schedule has no ranks")
+    if sorted(ranks) != list(range(len(ranks))):
+        raise ScheduleError(f"schedule ranks must be 0..{len(ranks) - 1}, got {sorted(ranks)}")
+    pp = int(header.get("pp", len(ranks)))
+    if pp != len(ranks):
+        raise ScheduleError(f"schedule declares pp={pp} but lists {len(ranks)} ranks")
+    all_actions = [a for acts in ranks.values() for a in acts]
+    stages = {a.stage for a in all_actions}
+    mbs = {a.microbatch for a in all_actions if a.microbatch is not None}
+    vp = int(header.get("vp", (max(stages) // pp + 1) if stages else 1))
+    m = int(header.get("microbatches", (max(mbs) + 1) if mbs else 0))
+    ops = {a.op for a in all_actions}
+    return Schedule(
+        name=str(header.get("schedule", "custom")),
+        pp=pp,
+        vp=vp,
+        microbatches=m,
+        group_size=_opt_int(header.get("group_size")),
+        ranks=[ranks[r] for r in range(len(ranks))],
+        zero_stage=_opt_int(header.get("zero_stage")),
+        lowered=bool(int(header.get("lowered", int(bool(ops & P2P_OPS))))),
+        forward_only=bool(int(header.get("forward_only", int(Op.B not in ops)))),
+        weight_buffers=int(header.get("weight_buffers", 2)),
+        grad_buffers=int(header.get("grad_buffers", 2)),
+    )

@@ -1,0 +1,228 @@
+"""Schedule IR, builders, lowering and validation (pure Python)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_bfpp.schedule import (
+    Action, Op, Schedule, ScheduleError, build, from_csv, from_json, lower, make_schedule, peak_activations,
+    simulate_order, to_csv, to_json, validate,
+)
+from megatron_bfpp.schedule.builders import interleaved_warmup, megatron_schedule_table
+
+
+def test_action_text_round_trip():
+    for a in [Action(Op.F, 4, 0), Action(Op.SEND_B, 3, 11), Action(Op.GATHER, 2), Action(Op.REDUCE, 0)]:
+        assert Action.parse(a.text) == a
+    with pytest.raises(ScheduleError):
+        Action(Op.GATHER, 1, 3)
+    with pytest.raises(ScheduleError):
+        Action.parse("X3:1")
+
+
+@pytest.mark.parametrize("name,pp,vp,m,g,z", [
+    ("gpipe", 3, 1, 5, None, 3), ("1f1b", 4, 1, 6, None, 2), ("interleaved-1f1b", 2, 3, 6, 3, 1),
+    ("breadth-first", 4, 2, 8, 4, 3), ("breadth-first", 1, 3, 2, None, 2),
+])
+def test_text_json_csv_round_trip(name, pp, vp, m, g, z):
+    s = make_schedule(name, pp, vp, m, g, zero_stage=z)
+    for back in (Schedule.from_text(s.to_text()), from_json(to_json(s)),
+                 from_csv(to_csv(s), pp=pp, vp=vp, microbatches=m)):
+        assert back.ranks == s.ranks
+        assert (back.pp, back.vp, back.microbatches) == (pp, vp, m)
+        validate(back)
+
+
+def test_breadth_first_order():
+    s = build("breadth-first", 4, 2, 8)
+    r1 = [a.text for a in s.ranks[1]]
+    assert r1 == [f"F1:{m}" for m in range(8)] + [f"F5:{m}" for m in range(8)] + \
+        [f"B5:{m}" for m in range(8)] + [f"B1:{m}" for m in range(8)]
+
+
+def test_breadth_first_groups():
+    s = build("breadth-first", 2, 2, 6, group_size=3)
+    assert [a.text for a in s.ranks[0]] == (
+        ["F0:0", "F0:1", "F0:2", "F2:0", "F2:1", "F2:2", "B2:0", "B2:1", "B2:2", "B0:0", "B0:1", "B0:2",
+         "F0:3", "F0:4", "F0:5", "F2:3", "F2:4", "F2:5", "B2:3", "B2:4", "B2:5", "B0:3", "B0:4", "B0:5"])
+    assert peak_activations(s) == [6, 6]  # V * G, not V * M
+
+
+def _megatron_order(pp, rank, vp, m, g):
+    """Rank's F/B order straight from megatron-core's own table and warm-up count."""
+    sched = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    table = sched.get_schedule_table(m, vp, g)
+    total = m * vp
+    warm = (pp - rank - 1) * 2 + (vp - 1) * g
+    warm = min(warm, total)
+    f = [("F", c * pp + rank, mb) for mb, c in table]
+    b = [("B", (vp - 1 - c) * pp + rank, mb) for mb, c in table]
+    out = f[:warm]
+    for k in range(total - warm):
+        out += [f[warm + k], b[k]]
+    return out + b[total - warm:]
+
+
+@pytest.mark.parametrize("pp,vp,m,g", [
+    (2, 2, 2, 2), (2, 2, 4, 2), (2, 3, 6, 3), (4, 2, 4, 4), (4, 2, 8, 4), (4, 2, 8, 8), (4, 3, 12, 4),
+    (4, 4, 16, 6), (8, 4, 16, 8), (8, 2, 24, 12), (3, 2, 7, 4), (4, 2, 10, 5), (2, 4, 5, 3), (2, 4, 5, 5),
+])
+def test_interleaved_matches_megatron_core(pp, vp, m, g):
+    sched = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    assert megatron_schedule_table(m, vp, g) == sched.get_schedule_table(m, vp, g)
+    s = build("interleaved-1f1b", pp, vp, m, group_size=g)
+    for r in range(pp):
+        assert [(a.op.value, a.stage, a.microbatch) for a in s.ranks[r]] == _megatron_order(pp, r, vp, m, g)
+        assert interleaved_warmup(pp, r, vp, m, g) == min((pp - r - 1) * 2 + (vp - 1) * g, m * vp)
+    validate(lower(s, 3))
+
+
+def test_interleaved_warmup_matches_megatron_function():
+    sched = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    from megatron.core import parallel_state
+
+    for pp, vp, m, g in [(4, 2, 8, 4), (2, 3, 6, 2), (8, 4, 32, 8)]:
+        for r in range(pp):
+            orig = (parallel_state.get_pipeline_model_parallel_world_size,
+                    parallel_state.get_pipeline_model_parallel_rank,
+                    parallel_state.get_virtual_pipeline_model_parallel_world_size)
+            try:
+                parallel_state.get_pipeline_model_parallel_world_size = lambda: pp
+                parallel_state.get_pipeline_model_parallel_rank = lambda: r
+                parallel_state.get_virtual_pipeline_model_parallel_world_size = lambda: vp
+                _, _, warm, _ = sched.get_pp_rank_microbatches(m, vp, g)
+            finally:
+                (parallel_state.get_pipeline_model_parallel_world_size,
+                 parallel_state.get_pipeline_model_parallel_rank,
+                 parallel_state.get_virtual_pipeline_model_parallel_world_size) = orig
+            assert interleaved_warmup(pp, r, vp, m, g) == warm
+
+
+def test_one_f_one_b_order():
+    s = build("1f1b", 4, 1, 6)
+    assert [a.text for a in s.ranks[0]] == ["F0:0", "F0:1", "F0:2", "F0:3", "B0:0", "F0:4", "B0:1", "F0:5",
+                                            "B0:2", "B0:3", "B0:4", "B0:5"]
+    assert [a.text for a in s.ranks[3]][:4] == ["F3:0", "B3:0", "F3:1", "B3:1"]
+
+
+@pytest.mark.parametrize("m", [8, 32])
+def test_zero3_counts_breadth_first_constant_interleaved_grows(m):
+    pp, vp = 8, 4
+    bf = make_schedule("breadth-first", pp, vp, m, zero_stage=3)
+    bf_small = make_schedule("breadth-first", pp, vp, pp, zero_stage=3)
+    for r in range(pp):
+        assert bf.count(r, Op.GATHER) <= 2 * vp
+        assert bf.count(r, Op.GATHER) == 2 * vp - 2 == bf_small.count(r, Op.GATHER)
+        assert bf.count(r, Op.REDUCE) == vp == bf_small.count(r, Op.REDUCE)
+    df_small = make_schedule("interleaved-1f1b", pp, vp, pp, zero_stage=3)
+    df_big = make_schedule("interleaved-1f1b", pp, vp, 4 * pp, zero_stage=3)
+    for r in range(pp):
+        assert df_big.count(r, Op.GATHER) > df_small.count(r, Op.GATHER)
+        assert df_big.count(r, Op.REDUCE) > df_small.count(r, Op.REDUCE)
+        assert df_big.count(r, Op.GATHER) > 2 * vp
+
+
+def test_zero3_prefetch_gathers_next_stage_before_current_compute():
+    s = make_schedule("breadth-first", 2, 3, 4, zero_stage=3)
+    acts = s.ranks[1]
+    first_f = {st: min(i for i, a in enumerate(acts) if a.op == Op.F and a.stage == st) for st in (1, 3, 5)}
+    gathers = {a.stage: i for i, a in enumerate(acts) if a.op == Op.GATHER and a.stage in (3, 5)}
+    # stage 3's gather is issued before stage 1's first forward; stage 5's before stage 3's first compute.
+    assert gathers[3] < first_f[1] and gathers[5] < first_f[3] - 1
+
+
+def test_zero_stage_1_reduces_once_per_step_with_groups():
+    s = make_schedule("breadth-first", 2, 2, 8, group_size=2, zero_stage=1)
+    z2 = make_schedule("breadth-first", 2, 2, 8, group_size=2, zero_stage=2)
+    for r in range(2):
+        assert s.count(r, Op.REDUCE) == 2 and s.count(r, Op.GATHER) == 0
+        assert z2.count(r, Op.REDUCE) == 2 * 4  # once per stage per group
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("interleaved-1f1b", 4, 1, 8, None), "--vp"),
+    (("interleaved-1f1b", 4, 2, 2, None), "at least P=4"),
+    (("interleaved-1f1b", 4, 2, 8, 3), "--group-size"),
+    (("interleaved-1f1b", 4, 2, 10, 8), "last group of 2"),
+    (("breadth-first", 2, 2, 4, 5), "--group-size"),
+    (("breadth-first", 2, 1, 4, None), "--vp"),
+    (("gpipe", 2, 2, 4, None), "V = 1"),
+    (("nope", 2, 2, 4, None), "unknown"),
+    (("1f1b", 0, 1, 4, None), "--pp"),
+])
+def test_bad_configurations(args, needle):
+    with pytest.raises(ScheduleError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        build(*args)
+
+
+def test_validation_catches_errors():
+    s = lower(build("breadth-first", 2, 2, 4))
+    broken = Schedule(**{**s.__dict__, "ranks": [list(s.ranks[0]), list(s.ranks[1])]})
+    broken.ranks[0].remove(Action(Op.F, 2, 3))
+    with pytest.raises(ScheduleError, match="rank 0: F2:3 is missing"):
+        validate(broken)
+    # Swap the order of two sends: the receiving rank expects them the other way round.
+    swapped = Schedule(**{**s.__dict__, "ranks": [list(s.ranks[0]), list(s.ranks[1])]})
+    i = swapped.ranks[0].index(Action(Op.SEND_F, 0, 0))
+    j = swapped.ranks[0].index(Action(Op.SEND_F, 0, 1))
+    swapped.ranks[0][i], swapped.ranks[0][j] = swapped.ranks[0][j], swapped.ranks[0][i]
+    with pytest.raises(ScheduleError, match="channel rank 0 -> rank 1"):
+        validate(swapped)
+    # A rank that waits for a gradient before sending the activation that produces it: deadlock.
+    dead = Schedule(**{**s.__dict__, "ranks": [list(s.ranks[0]), list(s.ranks[1])]})
+    r1 = dead.ranks[1]
+    k = r1.index(Action(Op.SEND_B, 1, 0))
+    r1.insert(0, r1.pop(k))
+    with pytest.raises(ScheduleError, match="deadlock: .*rank 1 step 0 waits at SEND_B1:0"):
+        simulate_order(dead)
+
+
+@settings(max_examples=150, deadline=None)
+@given(pp=st.integers(1, 6), vp=st.integers(1, 4), m=st.integers(1, 16), gfrac=st.floats(0, 1),
+       name=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "breadth-first"]),
+       zero=st.sampled_from([None, 1, 2, 3]), nw=st.integers(1, 3), ng=st.integers(1, 3), fo=st.booleans())
+def test_property_every_built_and_lowered_schedule_validates(pp, vp, m, gfrac, name, zero, nw, ng, fo):
+    if name in ("gpipe", "1f1b"):
+        vp, g = 1, None
+    elif name == "interleaved-1f1b":
+        if vp < 2 or m < pp:
+            return
+        g = pp + int(gfrac * (m - pp))
+        if 0 < m % g < pp:
+            return
+    else:
+        if vp < 2:
+            return
+        g = 1 + int(gfrac * (m - 1))
+    s = build(name, pp, vp, m, g, forward_only=fo)
+    validate(s)
+    lowered = lower(s, zero, nw, ng)
+    validate(lowered)
+    assert [a for a in lowered.ranks[0] if a.op in (Op.F, Op.B)] == s.ranks[0]
+    if zero == 3:
+        for r in range(pp):
+            assert lowered.count(r, Op.GATHER) == lowered.count(r, Op.RELEASE)
+
+
+def test_cli_json_contract_and_errors():
+    out = subprocess.run([sys.executable, "-m", "megatron_bfpp.cli", "schedule", "--schedule", "breadth-first",
+                          "--pp", "2", "--vp", "2", "--microbatches", "4", "--zero-stage", "3", "--format", "json"],
+                         capture_output=True, text=True, check=True).stdout
+    d = json.loads(out)
+    assert set(d) == {"schedule", "pp", "vp", "microbatches", "group_size", "zero_stage", "ranks",
+                      "peak_activations"}
+    assert (d["pp"], d["vp"], d["microbatches"], d["group_size"], d["zero_stage"]) == (2, 2, 4, 4, 3)
+    assert d["peak_activations"] == [8, 8]
+    gathers = [a for a in d["ranks"][0] if a["op"] == "GATHER"]
+    assert gathers and all(a["microbatch"] is None for a in gathers)
+    plain = json.loads(subprocess.run(
+        [sys.executable, "-m", "megatron_bfpp.cli", "schedule", "--schedule", "1f1b", "--pp", "2",
+         "--microbatches", "3", "--format", "json"], capture_output=True, text=True, check=True).stdout)
+    assert {a["op"] for acts in plain["ranks"] for a in acts} == {"F", "B"}
+    bad = subprocess.run([sys.executable, "-m", "megatron_bfpp.cli", "schedule", "--schedule", "interleaved-1f1b",
+                          "--pp", "4", "--vp", "2", "--microbatches", "2"], capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert len(bad.stderr.strip().splitlines()) == 1 and "micro-batches" in bad.stderr
