@@ -29,6 +29,6 @@ bfpp_venv() {
     touch "$BFPP_VENV/.complete"
   fi
   # The package itself is installed editable each time (cheap), so the venv stays keyed by requirements only.
-  "$BFPP_VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$root" >/dev/null
+  "$BFPP_VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$root" >/dev/null 2>&1 || "$BFPP_VENV/bin/pip" install --no-deps --no-build-isolation -e "$root"
   export PATH="$BFPP_VENV/bin:$PATH"
 }
