@@ -62,11 +62,16 @@ class MegatronConfigDriver(NullDriver):
     def __init__(self, model: Sequence[torch.nn.Module], config) -> None:
         self.model = list(model)
         self.config = config
-        self._no_sync_ctx = None
+        self._no_sync_ctx: list | None = None
         self._param_synced: set[int] = set()
+        self._forward_only = False
 
     def start_step(self, forward_only: bool) -> None:
         self._param_synced.clear()
+        self._forward_only = forward_only
+        self._no_sync_ctx = []
+        if forward_only:  # as Megatron: no gradient or parameter synchronisation in evaluation
+            return
         no_sync = self.config.no_sync_func
         if isinstance(no_sync, list):  # one per chunk in Megatron-LM's train()
             self._no_sync_ctx = [f() for f in no_sync]
@@ -78,7 +83,7 @@ class MegatronConfigDriver(NullDriver):
             ctx.__enter__()
 
     def wait_params(self, chunk: int) -> None:
-        if chunk in self._param_synced or self.config.param_sync_func is None:
+        if self._forward_only or chunk in self._param_synced or self.config.param_sync_func is None:
             return
         self._param_synced.add(chunk)
         f = self.config.param_sync_func

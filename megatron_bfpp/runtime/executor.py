@@ -1,0 +1,262 @@
+"""Interprets one rank's lowered schedule over its model chunks.
+
+Every decision about order comes from the schedule; this module only carries actions out: compute through
+Megatron-Core's own `forward_step` / `backward_step` (same loss scaling, same output deallocation), p2p through
+`PipelineP2P`, data-parallel actions through a `DataParallelDriver`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel.schedules import (
+    backward_step,
+    check_first_val_step,
+    deallocate_output_tensor,
+    forward_step,
+)
+
+from ..schedule.ir import Action, Op, Schedule
+from .hooks import DataParallelDriver
+from .p2p import PendingTransfer, PipelineP2P
+from .recorder import ActionRecorder
+
+
+class PipelineError(RuntimeError):
+    """A distributed failure while executing a schedule; the message names the rank, step, action and peer."""
+
+
+class ScheduleExecutor:
+    def __init__(
+        self,
+        *,
+        schedule: Schedule,
+        pp_rank: int,
+        model: Sequence[torch.nn.Module],
+        forward_step_func: Callable,
+        data_iterator: Any,
+        config: Any,
+        tensor_shape: tuple[int, ...],
+        p2p: PipelineP2P,
+        driver: DataParallelDriver,
+        collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None,
+        recorder: ActionRecorder | None = None,
+        wait_timeout_s: float | None = None,
+        global_rank: int = 0,
+    ) -> None:
+        self.schedule = schedule
+        self.actions = schedule.ranks[pp_rank]
+        self.pp_rank = pp_rank
+        self.model = list(model)
+        self.forward_step_func = forward_step_func
+        self.data_iterators = self._per_chunk_iterators(data_iterator)
+        self.config = config
+        self.tensor_shape = tensor_shape
+        self.dtype = config.pipeline_dtype or torch.float32
+        self.p2p = p2p
+        self.driver = driver
+        self.collect_non_loss_data = collect_non_loss_data
+        self.first_val_step = first_val_step
+        self.recorder = recorder
+        self.timeout = None if wait_timeout_s is None else datetime.timedelta(seconds=wait_timeout_s)
+        self.global_rank = global_rank
+        self.forward_only = schedule.forward_only
+        self.last_stage = schedule.num_stages - 1
+        self.forward_data_store: list = []
+        self.total_num_tokens = torch.zeros([], dtype=torch.int)
+        # (stage, microbatch) -> tensors kept between F and B
+        self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.input_grads: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.local_activation: dict[tuple[int, int], torch.Tensor] = {}  # P = 1 hand-off to stage + 1
+        self.receives: dict[Action, PendingTransfer] = {}
+        self.sends: dict[Action, PendingTransfer] = {}
+        self.step = 0
+        self._recv_positions = [i for i, a in enumerate(self.actions) if a.op in (Op.RECV_F, Op.RECV_B)]
+        self._next_recv = 0
+        compute = [i for i, a in enumerate(self.actions) if a.op in (Op.F, Op.B)]
+        # position of a compute action -> position of the next compute action (or the end)
+        self._next_compute = dict(zip(compute, compute[1:] + [len(self.actions)]))
+
+    def _per_chunk_iterators(self, data_iterator: Any) -> list:
+        n = len(self.model)
+        if isinstance(data_iterator, (list, tuple)):
+            if len(data_iterator) != n:
+                raise ValueError(f"got {len(data_iterator)} data iterators for {n} model chunks: pass one per chunk")
+            return list(data_iterator)
+        if n > 1:
+            raise ValueError(
+                "with several model chunks per rank pass a list with one data iterator per chunk (as Megatron-LM "
+                "does for virtual pipeline stages)"
+            )
+        return [data_iterator]
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+
+    def _fail(self, action: Action, peer: int | None, what: str, err: Exception) -> PipelineError:
+        peer_txt = f" from/to rank {peer}" if peer is not None else ""
+        return PipelineError(
+            f"rank {self.global_rank} (pipeline rank {self.pp_rank}) at step {self.step} {action.text} of "
+            f"{self.schedule.name}: {what}{peer_txt} failed: {err}. Check that rank's log: it may have died, "
+            "timed out, or be running a different schedule."
+        )
+
+    def _wait(self, pending: PendingTransfer, action: Action, what: str) -> None:
+        if pending.work is None:
+            return
+        t = self.recorder.start() if self.recorder else None
+        try:
+            if self.timeout is not None:
+                ok = pending.work.wait(self.timeout)
+                if ok is False:
+                    raise TimeoutError(f"no completion within {self.timeout.total_seconds():g} s")
+            else:
+                pending.work.wait()
+        except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError on timeout or dead peer
+            raise self._fail(action, pending.peer, what, e) from e
+        pending.work = None
+        if self.recorder:
+            self.recorder.stop(t, action, wait=True)
+
+    def _post_receives_until(self, position: int) -> None:
+        """Post (non-blocking) every receive that appears in the schedule before `position`, in order."""
+        while self._next_recv < len(self._recv_positions) and self._recv_positions[self._next_recv] < position:
+            a = self.actions[self._recv_positions[self._next_recv]]
+            gradient = a.op == Op.RECV_B
+            src = self.schedule.rank_of(a.stage + 1 if gradient else a.stage - 1)
+            try:
+                self.receives[a] = self.p2p.irecv(self.tensor_shape, self.dtype, src, gradient)
+            except Exception as e:
+                raise self._fail(a, self.p2p.peer(src), "posting receive", e) from e
+            self._next_recv += 1
+
+    def _reap_sends(self, block: bool = False) -> None:
+        """Free pipeline outputs whose sends completed (Megatron deallocates an output once it is sent)."""
+        for a in list(self.sends):
+            pending = self.sends[a]
+            if pending.work is not None and not block and not pending.work.is_completed():
+                continue
+            self._wait(pending, a, "send")
+            del self.sends[a]
+            if a.op == Op.SEND_F and not self.forward_only:
+                out = self.outputs.get((a.stage, a.microbatch))
+                if out is not None:
+                    deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
+
+    # -- actions -----------------------------------------------------------------------------------------------
+
+    def run(self) -> list:
+        self.driver.start_step(self.forward_only)
+        for i, action in enumerate(self.actions):
+            self.step = i
+            if action.op in (Op.F, Op.B):
+                # Pre-post the receives of the next compute so they overlap this one.
+                self._post_receives_until(self._next_compute[i])
+                self._reap_sends()
+            t = self.recorder.start() if self.recorder else None
+            getattr(self, "_do_" + action.op.value)(action)
+            if self.recorder and action.op not in (Op.RECV_F, Op.RECV_B):
+                self.recorder.stop(t, action)
+        self.step = len(self.actions)
+        self._reap_sends(block=True)
+        t = self.recorder.start() if self.recorder else None
+        self.driver.finish_step()
+        if self.recorder and not self.forward_only:
+            self.recorder.stop(t, Action(Op.REDUCE, self.schedule.stages_of(self.pp_rank)[0]), wait=True)
+        if self.inputs or self.outputs or self.receives:
+            raise PipelineError(
+                f"rank {self.global_rank}: schedule {self.schedule.name} left {len(self.outputs)} activations and "
+                f"{len(self.receives)} receives unconsumed"
+            )
+        return self.forward_data_store
+
+    def _do_RECV_F(self, a: Action) -> None:
+        self._post_receives_until(self.step + 1)
+
+    _do_RECV_B = _do_RECV_F
+
+    def _do_SEND_F(self, a: Action) -> None:
+        key = (a.stage, a.microbatch)
+        out = self.outputs[key] if not self.forward_only else self.local_activation.pop(key)
+        try:
+            self.sends[a] = self.p2p.isend(out, self.schedule.rank_of(a.stage + 1), gradient=False)
+        except Exception as e:
+            raise self._fail(a, self.p2p.peer(self.schedule.rank_of(a.stage + 1)), "send", e) from e
+
+    def _do_SEND_B(self, a: Action) -> None:
+        grad = self.input_grads.pop((a.stage, a.microbatch))
+        try:
+            self.sends[a] = self.p2p.isend(grad, self.schedule.rank_of(a.stage - 1), gradient=True)
+        except Exception as e:
+            raise self._fail(a, self.p2p.peer(self.schedule.rank_of(a.stage - 1)), "send", e) from e
+
+    def _do_F(self, a: Action) -> None:
+        s, m = a.stage, a.microbatch
+        chunk = self.schedule.chunk_of(s)
+        self.driver.wait_params(chunk)
+        if s == 0:
+            input_tensor = None
+        elif self.schedule.pp == 1:
+            input_tensor = self.local_activation.pop((s - 1, m)).detach().requires_grad_(not self.forward_only)
+        else:
+            recv = Action(Op.RECV_F, s, m)
+            pending = self.receives.pop(recv)
+            self._wait(pending, recv, "receive activation")
+            input_tensor = pending.tensor.requires_grad_(not self.forward_only)
+        is_first = check_first_val_step(self.first_val_step, self.forward_only, m == 0)
+        output, num_tokens = forward_step(
+            self.forward_step_func, self.data_iterators[chunk], self.model[chunk], self.schedule.microbatches,
+            input_tensor, self.forward_data_store, self.config, 1, self.collect_non_loss_data, None, is_first,
+            current_microbatch=m, vp_stage=chunk, is_last_stage=(s == self.last_stage),
+        )
+        self.total_num_tokens += num_tokens
+        if s < self.last_stage and (self.forward_only or self.schedule.pp == 1):
+            # Hand-off to the next stage (same rank) or to the send: a detached alias of the output.
+            self.local_activation[(s, m)] = output.detach()
+        if not self.forward_only:
+            self.inputs[(s, m)] = input_tensor
+            self.outputs[(s, m)] = output
+            if self.schedule.pp == 1 and s < self.last_stage:
+                # Only the output's grad_fn is needed from here on (Megatron's pseudo-deallocation).
+                deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
+
+    def _do_B(self, a: Action) -> None:
+        s, m = a.stage, a.microbatch
+        chunk = self.schedule.chunk_of(s)
+        self.driver.wait_params(chunk)
+        self.driver.before_backward(chunk)
+        send = Action(Op.SEND_F, s, m)
+        if send in self.sends:  # our output must be sent (and freed) before its backward
+            self._wait(self.sends.pop(send), send, "send")
+            deallocate_output_tensor(self.outputs[(s, m)], self.config.deallocate_pipeline_outputs)
+        if s == self.last_stage:
+            output_grad = None
+        elif self.schedule.pp == 1:
+            output_grad = self.input_grads.pop((s + 1, m))
+        else:
+            recv = Action(Op.RECV_B, s, m)
+            pending = self.receives.pop(recv)
+            self._wait(pending, recv, "receive gradient")
+            output_grad = pending.tensor
+        input_tensor = self.inputs.pop((s, m))
+        output = self.outputs.pop((s, m))
+        input_grad = backward_step(input_tensor, output, output_grad, self.config)
+        if s > 0:
+            self.input_grads[(s, m)] = input_grad
+
+    def _do_GATHER(self, a: Action) -> None:
+        self.driver.gather(self.schedule.chunk_of(a.stage))
+
+    def _do_RELEASE(self, a: Action) -> None:
+        self.driver.release(self.schedule.chunk_of(a.stage))
+
+    def _do_REDUCE(self, a: Action) -> None:
+        self.driver.reduce(self.schedule.chunk_of(a.stage))
+
+
+def rank_of_group(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0

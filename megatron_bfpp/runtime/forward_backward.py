@@ -1,0 +1,221 @@
+"""A drop-in for Megatron-Core's `get_forward_backward_func()` result, running our schedules.
+
+`get_forward_backward_func("breadth-first")` returns a function with the keyword signature Megatron-LM's
+`train_step` / `evaluate` use. Each call builds (cached) and validates the lowered schedule for the call's
+number of micro-batches, checks with the other pipeline and data-parallel ranks that they run the same one, and
+executes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import zlib
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..schedule import Schedule, make_schedule
+from ..schedule.ir import SCHEDULE_NAMES
+from .executor import PipelineError, ScheduleExecutor
+from .hooks import DataParallelDriver, MegatronConfigDriver
+from .p2p import PipelineP2P
+from .recorder import ActionRecorder
+
+_state: dict[str, Any] = {"recorder": None, "wait_timeout_s": None, "last_schedule": None, "p2p": {}}
+
+
+def set_recorder(recorder: ActionRecorder | None) -> None:
+    """Record executed actions of the following calls into `recorder` (None: stop recording)."""
+    _state["recorder"] = recorder
+
+
+def set_wait_timeout(seconds: float | None) -> None:
+    """Bound every p2p wait (default: the process group's timeout, Megatron's --distributed-timeout-minutes)."""
+    _state["wait_timeout_s"] = seconds
+
+
+def last_schedule() -> Schedule | None:
+    """The lowered schedule of the most recent call (for reports and tests)."""
+    return _state["last_schedule"]
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_schedule(name: str, pp: int, vp: int, m: int, g: int | None, zero: int | None, forward_only: bool,
+                     nw: int, ng: int) -> Schedule:
+    return make_schedule(name, pp, vp, m, g, zero_stage=zero, lowered=True, forward_only=forward_only,
+                         weight_buffers=nw, grad_buffers=ng)
+
+
+def _pp_group(pg_collection: Any) -> dist.ProcessGroup | None:
+    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+        return pg_collection.pp
+    from megatron.core import parallel_state
+
+    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_pipeline_model_parallel_group()
+    return None
+
+
+def _dp_group(pg_collection: Any) -> dist.ProcessGroup | None:
+    for attr in ("dp_cp", "dp"):
+        if pg_collection is not None and getattr(pg_collection, attr, None) is not None:
+            return getattr(pg_collection, attr)
+    from megatron.core import parallel_state
+
+    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return None
+
+
+def _make_driver(model: Sequence[torch.nn.Module], config: Any) -> tuple[DataParallelDriver, int]:
+    """Our sharded wrapper brings its own driver; anything else is driven through Megatron's config hooks."""
+    try:
+        from ..sharded.ddp import ShardedDataParallel
+        from ..sharded.driver import ShardedDriver
+    except ImportError:  # sharded package not importable: only Megatron's own DDP can be used
+        ShardedDataParallel = None  # type: ignore[assignment]
+    if ShardedDataParallel is not None and isinstance(model[0], ShardedDataParallel):
+        return ShardedDriver(list(model)), int(model[0].zero_stage)
+    return MegatronConfigDriver(model, config), 1
+
+
+def _handshake(schedule: Schedule, groups: dict[str, dist.ProcessGroup | None], device: torch.device) -> None:
+    """All ranks of the pipeline and data-parallel groups must execute the same schedule: compare fingerprints."""
+    fields = [zlib.crc32(schedule.name.encode()), schedule.pp, schedule.vp, schedule.microbatches,
+              schedule.group_size or 0, schedule.zero_stage or 0, int(schedule.forward_only),
+              schedule.weight_buffers, schedule.grad_buffers]
+    names = ["schedule", "P", "V", "M", "group size", "ZeRO stage", "forward-only", "weight buffers",
+             "grad buffers"]
+    mine = torch.tensor(fields, dtype=torch.int64, device=device)
+    for kind, group in groups.items():
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        n = dist.get_world_size(group)
+        out = torch.empty(n * len(fields), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(out, mine, group=group)
+        rows = out.view(n, len(fields)).tolist()
+        ranks = dist.get_process_group_ranks(group)
+        for r, row in zip(ranks, rows):
+            if row != fields:
+                diff = ", ".join(f"{nm} {a} vs {b}" for nm, a, b in zip(names, fields, row) if a != b)
+                raise PipelineError(
+                    f"rank {dist.get_rank()}: {kind}-parallel rank {r} runs a different schedule ({diff}); every "
+                    "rank must get the same --pipeline-schedule, micro-batch counts, group size and --zero-stage"
+                )
+
+
+def get_forward_backward_func(
+    pipeline_schedule: str = "breadth-first",
+    microbatch_group_size: int | None = None,
+    weight_buffers: int = 2,
+    grad_buffers: int = 2,
+) -> Callable:
+    """Return a forward_backward function with Megatron-Core's signature that runs `pipeline_schedule`."""
+    if pipeline_schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown --pipeline-schedule {pipeline_schedule!r}: choose one of {', '.join(SCHEDULE_NAMES)}")
+
+    def forward_backward(
+        *,
+        forward_step_func: Callable,
+        data_iterator: Any,
+        model: torch.nn.Module | list[torch.nn.Module],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None,
+        adjust_tensor_shapes_fn: Callable | None = None,
+        force_all_reduce: bool | None = False,
+        p2p_communicator: Any = None,
+        pg_collection: Any = None,
+    ) -> list:
+        from megatron.core.utils import get_model_config
+
+        if adjust_tensor_shapes_fn is not None:
+            raise ValueError("adjust_tensor_shapes_fn is not supported by megatron_bfpp schedules (as in Megatron's "
+                             "interleaved schedule)")
+        chunks = model if isinstance(model, list) else [model]
+        config = get_model_config(chunks[0])
+        pp_group = _pp_group(pg_collection)
+        pp = dist.get_world_size(pp_group) if pp_group is not None else 1
+        pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
+        vp = len(chunks)
+        group = microbatch_group_size
+        if group is None and pipeline_schedule == "interleaved-1f1b":
+            # Megatron's config defaults it to its own P; a value below ours is that default, not a choice.
+            configured = getattr(config, "microbatch_group_size_per_vp_stage", None)
+            group = configured if configured and configured >= pp else pp
+        if group is not None:
+            group = min(group, num_microbatches)  # evaluation and batch-size ramp-up run fewer micro-batches
+        if pipeline_schedule in ("gpipe", "1f1b"):
+            group = None
+        driver, zero = _make_driver(chunks, config)
+        if forward_only:
+            zero_for_schedule = 3 if zero == 3 else None  # ZeRO-3 still gathers; nothing to reduce
+        else:
+            zero_for_schedule = zero
+        schedule = _cached_schedule(pipeline_schedule, pp, vp, num_microbatches, group, zero_for_schedule,
+                                    bool(forward_only), weight_buffers, grad_buffers)
+        _state["last_schedule"] = schedule
+
+        param = next(chunks[0].parameters())
+        device = param.device
+        cp = 1
+        tp = 1
+        if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
+            cp = dist.get_world_size(pg_collection.cp)
+        if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
+            tp = dist.get_world_size(pg_collection.tp)
+        elif dist.is_initialized():
+            from megatron.core import parallel_state
+
+            if parallel_state.model_parallel_is_initialized():
+                tp = parallel_state.get_tensor_model_parallel_world_size()
+                cp = parallel_state.get_context_parallel_world_size()
+        seq = seq_length // cp
+        if getattr(config, "sequence_parallel", False):
+            seq //= tp
+        tensor_shape = (seq, micro_batch_size, config.hidden_size)
+
+        if dist.is_initialized():
+            _handshake(schedule, {"pipeline": pp_group, "data": _dp_group(pg_collection)},
+                       device if device.type == "cuda" else torch.device("cpu"))
+        key = tuple(dist.get_process_group_ranks(pp_group)) if pp_group is not None else (0,)
+        p2p = _state["p2p"].get((key, device))
+        if p2p is None:
+            p2p = PipelineP2P(pp_group, device, _state["wait_timeout_s"])
+            _state["p2p"][(key, device)] = p2p
+        recorder = _state["recorder"]
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+        executor = ScheduleExecutor(
+            schedule=schedule, pp_rank=pp_rank, model=chunks, forward_step_func=forward_step_func,
+            data_iterator=data_iterator, config=config, tensor_shape=tensor_shape, p2p=p2p, driver=driver,
+            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step, recorder=recorder,
+            wait_timeout_s=_state["wait_timeout_s"], global_rank=dist.get_rank() if dist.is_initialized() else 0,
+        )
+        store = executor.run()
+        if config.finalize_model_grads_func is not None and not forward_only:
+            config.finalize_model_grads_func(
+                chunks,
+                executor.total_num_tokens if config.calculate_per_token_loss else None,
+                pg_collection=pg_collection,
+                force_all_reduce=force_all_reduce,
+            )
+        if recorder is not None:
+            recorder.flush()
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        return store
+
+    forward_backward.pipeline_schedule = pipeline_schedule  # type: ignore[attr-defined]
+    return forward_backward
+
+
+def wait_timeout_from_env() -> float | None:
+    v = os.environ.get("BFPP_WAIT_TIMEOUT_S")
+    return float(v) if v else None

@@ -1,0 +1,84 @@
+"""The runtime executes every schedule exactly: losses and gradients equal a single-process reference."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests import toy_pipeline as toy
+
+CASES = [  # (schedule, P, V, M, group size)
+    ("gpipe", 2, 1, 4, None), ("1f1b", 2, 1, 3, None), ("interleaved-1f1b", 2, 2, 4, None),
+    ("interleaved-1f1b", 2, 3, 6, 3), ("breadth-first", 2, 2, 4, None), ("breadth-first", 2, 3, 6, 2),
+    ("breadth-first", 2, 2, 1, None), ("interleaved-1f1b", 2, 2, 5, 3),
+]
+CASES_P4 = [("interleaved-1f1b", 4, 2, 8, 4), ("breadth-first", 4, 2, 8, None), ("breadth-first", 4, 2, 6, 3),
+            ("1f1b", 4, 1, 6, None)]
+CASES_P1 = [("breadth-first", 1, 3, 4, None), ("interleaved-1f1b", 1, 2, 3, 1), ("gpipe", 1, 1, 2, None)]
+
+
+def _pipeline_worker(rank: int, world: int, cases) -> list:
+    import torch.distributed as dist
+
+    from megatron_bfpp.runtime import get_forward_backward_func, set_wait_timeout
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    set_wait_timeout(60)
+    pg = SimpleNamespace(pp=dist.new_group(list(range(world))), dp=None)
+    results = []
+    for name, pp, vp, m, g in cases:
+        cfg = toy.make_config()
+        stages = [rank + c * pp for c in range(vp)]
+        chunks = [toy.ToyStage(cfg, s, pp * vp) for s in stages]
+        batches = toy.make_batches(m)
+        iters = [iter(batches) for _ in chunks]
+        fb = get_forward_backward_func(name, g)
+        store = fb(forward_step_func=toy.forward_step, data_iterator=iters, model=chunks, num_microbatches=m,
+                   seq_length=toy.SEQ, micro_batch_size=toy.MBS, pg_collection=pg)
+        losses = [float(d["lm loss"][0] / d["lm loss"][1]) for d in store]
+        grads = {s: (c.linear.weight.grad.clone(), c.linear.bias.grad.clone()) for s, c in zip(stages, chunks)}
+        # Evaluation: forward-only with another number of micro-batches.
+        for c in chunks:
+            c.zero_grad()
+        eval_m = max(1, m - 1) if name != "interleaved-1f1b" else m
+        eval_store = fb(forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks],
+                        model=chunks, num_microbatches=eval_m, seq_length=toy.SEQ, micro_batch_size=toy.MBS,
+                        forward_only=True, pg_collection=pg)
+        eval_losses = [float(d["lm loss"][0] / d["lm loss"][1]) for d in eval_store]
+        no_grads = all(c.linear.weight.grad is None or not c.linear.weight.grad.any() for c in chunks)
+        results.append((losses, grads, eval_losses, no_grads))
+    return results
+
+
+def _check(cases, results_per_rank, pp):
+    for i, (name, _, vp, m, _) in enumerate(cases):
+        ref_losses, ref_grads = toy.reference(pp * vp, toy.make_batches(m))
+        last_rank = (pp * vp - 1) % pp
+        losses, _, eval_losses, _ = results_per_rank[last_rank][i]
+        assert losses == pytest.approx(ref_losses, rel=1e-6), name
+        n_eval = len(eval_losses)
+        assert eval_losses == pytest.approx(ref_losses[:n_eval], rel=1e-6), name
+        for r in range(pp):
+            _, grads, _, no_grads = results_per_rank[r][i]
+            assert no_grads, f"{name}: forward-only run touched gradients"
+            for s, (w, b) in grads.items():
+                torch.testing.assert_close(w, ref_grads[s][0], rtol=1e-5, atol=1e-6, msg=f"{name} stage {s}")
+                torch.testing.assert_close(b, ref_grads[s][1], rtol=1e-5, atol=1e-6, msg=f"{name} stage {s}")
+
+
+@pytest.mark.timeout(300)
+def test_all_schedules_match_reference_p2():
+    _check(CASES, run_distributed(_pipeline_worker, 2, CASES), 2)
+
+
+@pytest.mark.timeout(300)
+def test_all_schedules_match_reference_p4():
+    _check(CASES_P4, run_distributed(_pipeline_worker, 4, CASES_P4), 4)
+
+
+@pytest.mark.timeout(300)
+def test_single_rank_several_chunks():
+    _check(CASES_P1, run_distributed(_pipeline_worker, 1, CASES_P1), 1)

@@ -1,0 +1,78 @@
+"""A tiny stage model with Megatron's model-chunk surface (config, set_input_tensor) for runtime tests.
+
+Stage s is `tanh(Linear_s(x))`; the first stage reads x from the batch, the last stage returns a per-token
+squared-error loss in Megatron 0.19's 3-tuple form (loss_sum, num_tokens, {"lm loss": ...}).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from megatron.core.model_parallel_config import ModelParallelConfig
+
+HIDDEN, SEQ, MBS = 8, 4, 2
+
+
+def make_config(**kw) -> ModelParallelConfig:
+    cfg = ModelParallelConfig(pipeline_dtype=torch.float32, deallocate_pipeline_outputs=True, **kw)
+    cfg.hidden_size = HIDDEN
+    cfg.calculate_per_token_loss = False
+    return cfg
+
+
+class ToyStage(torch.nn.Module):
+    def __init__(self, config, stage: int, num_stages: int, seed: int = 0):
+        super().__init__()
+        self.config = config
+        self.stage, self.num_stages = stage, num_stages
+        self.pre_process, self.post_process = stage == 0, stage == num_stages - 1
+        g = torch.Generator().manual_seed(seed * 1000 + stage)
+        self.linear = torch.nn.Linear(HIDDEN, HIDDEN)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5)
+            self.linear.bias.copy_(torch.randn(HIDDEN, generator=g) * 0.1)
+        self.input_tensor = None
+
+    def set_input_tensor(self, t):
+        self.input_tensor = t[0] if isinstance(t, list) else t
+
+    def forward(self, x):
+        inp = x if self.pre_process else self.input_tensor
+        return torch.tanh(self.linear(inp))
+
+
+def make_batches(num: int, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(SEQ, MBS, HIDDEN, generator=g), "y": torch.randn(SEQ, MBS, HIDDEN, generator=g)}
+            for _ in range(num)]
+
+
+def _loss(y, output):
+    err = ((output - y) ** 2).sum(-1)  # per token
+    loss_sum = err.sum()
+    n = torch.tensor(err.numel(), dtype=torch.int)
+    return loss_sum, n, {"lm loss": torch.stack([loss_sum.detach(), n.float()])}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator) if (model.pre_process or model.post_process) else None
+    out = model(batch["x"] if model.pre_process else None)
+    return out, partial(_loss, batch["y"] if model.post_process else None)
+
+
+def reference(num_stages: int, batches: list[dict], seed: int = 0):
+    """Single process: per-micro-batch loss (Megatron normalisation) and gradients per stage."""
+    cfg = make_config()
+    stages = [ToyStage(cfg, s, num_stages, seed) for s in range(num_stages)]
+    losses = []
+    m = len(batches)
+    for b in batches:
+        h = b["x"]
+        for st in stages:
+            h = torch.tanh(st.linear(h))
+        loss_sum, n, _ = _loss(b["y"], h)
+        (loss_sum / n / m).backward()
+        losses.append(float(loss_sum / n))
+    grads = {s: (st.linear.weight.grad.clone(), st.linear.bias.grad.clone()) for s, st in enumerate(stages)}
+    return losses, grads
