@@ -1,0 +1,167 @@
+"""`install(args)`: validate, then rebind the names Megatron-LM's training loop reaches the schedule, the
+data-parallel wrapper and the optimizer through; `uninstall()` restores them.
+
+Nothing is rebound until every check passed and every replacement imported, so a failed install leaves
+Megatron untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import warnings
+from typing import Any, Callable
+
+from . import compat
+from .validation import PluginConfig, validate_args
+
+# (module object, attribute, original value) for everything rebound, in order; restored in reverse.
+_rebound: list[tuple[Any, str, Any]] = []
+_installed: dict[str, PluginConfig] = {}
+
+
+def installed_config() -> PluginConfig | None:
+    """The configuration of the current install, or None."""
+    return _installed.get("config")
+
+
+def _log(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"megatron_bfpp: {message}", flush=True)
+
+
+def _accepted(func: Callable, **kwargs: Any) -> dict[str, Any]:
+    """The subset of `kwargs` that `func` takes (the runtime may grow options; pass what it understands)."""
+    params = inspect.signature(func).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def make_forward_backward_getter(cfg: PluginConfig, factory: Callable, original: Callable) -> Callable:
+    """The replacement for Megatron's `get_forward_backward_func`: same parameters (0.16 and 0.19), our schedule."""
+    options = _accepted(
+        factory,
+        pipeline_schedule=cfg.pipeline_schedule,
+        microbatch_group_size=cfg.microbatch_group_size,
+        weight_buffers=cfg.weight_buffers,
+        grad_buffers=cfg.grad_buffers,
+    )
+    recorder = None
+    if cfg.timeline:
+        from .timeline import TimelineRecorder
+
+        recorder = TimelineRecorder(cfg.timeline)
+
+    def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection=None):
+        multi = _multi_module_collection()
+        if multi is not None and isinstance(schedule_pg_collection, multi):
+            raise NotImplementedError(
+                f"--pipeline-schedule {cfg.pipeline_schedule} does not run multi-module (cross-grid) pipelines; "
+                "use --pipeline-schedule default for them"
+            )
+        forward_backward = factory(**options)
+        return recorder.wrap(forward_backward) if recorder is not None else forward_backward
+
+    get_forward_backward_func.__wrapped__ = original  # type: ignore[attr-defined]
+    get_forward_backward_func.bfpp_config = cfg  # type: ignore[attr-defined]
+    return get_forward_backward_func
+
+
+def _multi_module_collection():
+    try:
+        from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+    except ImportError:  # 0.16 has no multi-module pipelines
+        return None
+    return MultiModuleProcessGroupCollection
+
+
+def _runtime_factory() -> Callable:
+    try:
+        from megatron_bfpp.runtime import get_forward_backward_func
+    except ImportError as e:
+        raise ImportError(f"megatron_bfpp.runtime.get_forward_backward_func is not importable ({e}); reinstall "
+                          "megatron_bfpp (pip install -e .)") from e
+    return get_forward_backward_func
+
+
+def _sharded_replacements() -> dict[str, Any]:
+    """ZeRO-2/3 replacements: wrapper class, optimizer factory, gradient finalisation."""
+    try:
+        from megatron_bfpp.sharded import megatron_compat
+        from megatron_bfpp.sharded.finalize import finalize_model_grads
+    except ImportError as e:
+        raise ImportError(f"--zero-stage 2/3 needs megatron_bfpp.sharded ({e}); reinstall megatron_bfpp") from e
+    return {
+        "DDP": megatron_compat.DistributedDataParallel,
+        "DistributedDataParallel": megatron_compat.DistributedDataParallel,
+        "get_megatron_optimizer": megatron_compat.get_megatron_optimizer,
+        "finalize_model_grads": finalize_model_grads,
+    }
+
+
+def install(args: argparse.Namespace) -> PluginConfig:
+    """Validate `args` (Megatron-LM's, parsed with `add_arguments` and validated by Megatron) and take over the
+    pieces of Megatron-LM's training loop the flags ask for. Call it after argument parsing, before the model and
+    optimizer are built (before `pretrain(...)`). Raises `ConfigError` for a bad flag combination and
+    `UnsupportedMegatronError` when this megatron-core lacks a name to rebind. Installing again replaces the
+    previous install."""
+    cfg = validate_args(args)
+    # Resolve everything before touching Megatron: a failure below leaves it as it was.
+    plan: list[tuple[Any, str, Any]] = []
+    if cfg.uses_runtime:
+        (training, point), = compat.resolve(compat.SCHEDULE_POINTS)
+        original = getattr(training, point.attr)
+        original = getattr(original, "__wrapped__", original)  # re-install: check Megatron's, not ours
+        compat.check_forward_backward_getter(original)
+        plan.append((training, point.attr, make_forward_backward_getter(cfg, _runtime_factory(), original)))
+    if cfg.shards_model_state:
+        replacements = _sharded_replacements()
+        for mod, point in compat.resolve(compat.SHARDED_POINTS):
+            plan.append((mod, point.attr, replacements[point.attr]))
+    version = compat.megatron_core_version()
+    if plan and not compat.is_supported(version):
+        warnings.warn(f"megatron_bfpp: megatron-core {version} is not a tested version "
+                      f"({', '.join(f'{a}.{b}.x' for a, b in compat.SUPPORTED_VERSIONS)}); its rebinding points exist, "
+                      "continuing", stacklevel=2)
+
+    uninstall()
+    for mod, attr, value in plan:
+        _rebound.append((mod, attr, getattr(mod, attr)))
+        setattr(mod, attr, value)
+    _installed["config"] = cfg
+    if cfg.uses_runtime:
+        what = f"pipeline schedule {cfg.pipeline_schedule} (P={cfg.pp}, V={cfg.vp}, M={'/'.join(map(str, cfg.train_microbatches))}"
+        what += f", group size {cfg.microbatch_group_size})" if cfg.microbatch_group_size else ")"
+        if cfg.zero_stage is not None:
+            what += f", ZeRO-{cfg.zero_stage}"
+        _log(f"installed {what} on megatron-core {version}; rebound {', '.join(sorted({f'{m.__name__}.{a}' for m, a, _ in plan}))}")
+    else:
+        _log("--pipeline-schedule default: Megatron-LM runs unchanged")
+    return cfg
+
+
+def uninstall() -> None:
+    """Restore every name `install` rebound (no-op when nothing is installed)."""
+    while _rebound:
+        mod, attr, original = _rebound.pop()
+        setattr(mod, attr, original)
+    _installed.pop("config", None)
+
+
+def is_installed() -> bool:
+    return bool(_rebound)
+
+
+def install_or_exit(args: argparse.Namespace) -> PluginConfig:
+    """`install(args)` for command-line entry points: a configuration error exits with one clear message."""
+    from .compat import UnsupportedMegatronError
+    from .validation import ConfigError
+
+    try:
+        return install(args)
+    except (ConfigError, UnsupportedMegatronError) as e:
+        print(f"megatron_bfpp: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -1,0 +1,241 @@
+"""Check a parsed Megatron-LM argument namespace against the plugin's flags, before any process group exists.
+
+Every rejection is one `ConfigError` whose message names the offending flags (Megatron's spelling) and the fix.
+Schedule-shape rules are not restated here: the schedule builders own them, and their messages are translated
+to Megatron flag names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+
+from megatron_bfpp.schedule import ScheduleError, build, lower
+
+from .flags import DEFAULT_BUFFERS, PIPELINE_SCHEDULES
+
+
+class ConfigError(ValueError):
+    """A bad combination of Megatron-LM and megatron_bfpp flags; the message says which flags and the fix."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """What `install()` needs, resolved from the arguments."""
+
+    pipeline_schedule: str  # one of PIPELINE_SCHEDULES
+    zero_stage: int | None
+    weight_buffers: int
+    grad_buffers: int
+    timeline: str | None
+    pp: int  # P: pipeline-parallel size
+    vp: int  # V: stages per pipeline rank (1 without virtual stages)
+    microbatch_group_size: int | None  # G; None: the schedule's default (P interleaved, M breadth-first)
+    train_microbatches: tuple[int, ...]  # every M the training loop can run with (batch-size schedules)
+    eval_microbatches: int | None
+
+    @property
+    def uses_runtime(self) -> bool:
+        """Whether the plugin's schedule runtime replaces Megatron's forward_backward function."""
+        return self.pipeline_schedule != "default"
+
+    @property
+    def shards_model_state(self) -> bool:
+        """ZeRO-2/3: the plugin's data-parallel wrapper and sharded optimizer replace Megatron's."""
+        return self.zero_stage in (2, 3)
+
+
+# ScheduleError texts use the `bfpp schedule` flags; say the same in Megatron's. Order matters (longest first).
+_FLAG_NAMES = [
+    ("--schedule (--pipeline-schedule)", "--pipeline-schedule"),
+    ("--group-size (--microbatch-group-size-per-virtual-pipeline-stage)",
+     "--microbatch-group-size-per-virtual-pipeline-stage"),
+    ("--group-size", "--microbatch-group-size-per-virtual-pipeline-stage"),
+    ("set --vp (or --num-layers-per-virtual-pipeline-stage)",
+     "set --num-layers-per-virtual-pipeline-stage (or --num-virtual-stages-per-pipeline-rank)"),
+    ("--vp", "--num-virtual-stages-per-pipeline-rank"),
+    ("--pp (--pipeline-model-parallel-size)", "--pipeline-model-parallel-size"),
+    ("--weight-buffers", "--bfpp-weight-buffers"),
+    ("--grad-buffers", "--bfpp-grad-buffers"),
+    ("--microbatches", "the micro-batch count (--global-batch-size / (--micro-batch-size x data-parallel size))"),
+    ("raise the global batch size or lower the micro-batch size", "raise --global-batch-size or lower --micro-batch-size"),
+    ("or use gpipe for V = 1", "or use --pipeline-schedule 1f1b for V = 1"),
+    ("or use 1f1b for V = 1", "or use --pipeline-schedule 1f1b for V = 1"),
+    ("or use breadth-first", "or use --pipeline-schedule breadth-first"),
+    ("use interleaved-1f1b or breadth-first", "use --pipeline-schedule interleaved-1f1b or breadth-first"),
+]
+
+
+def megatron_flag_text(message: str) -> str:
+    """Rewrite a ScheduleError message with Megatron-LM's flag names."""
+    for old, new in _FLAG_NAMES:
+        message = re.sub(r"(?<![\w-])" + re.escape(old) + r"(?![\w-])", new, message)
+    return message
+
+
+def _dp_size(args: argparse.Namespace) -> int:
+    # Megatron 0.19 counts the GTP weight-remat axis outside data_parallel_size; each of its peers takes a
+    # distinct micro-batch (see its num-microbatches calculator).
+    return int(args.data_parallel_size) * int(getattr(args, "gtp_weight_remat_size", 1) or 1)
+
+
+def _global_batch_sizes(args: argparse.Namespace) -> list[int]:
+    """Every global batch size training can use: the target plus batch-size ramp-up / step schedule entries."""
+    sizes = [int(args.global_batch_size)]
+    steps = getattr(args, "step_batch_size_schedule", None)  # 0.19: "THRESHOLD:BS THRESHOLD:BS ..."
+    if steps:
+        sizes += [int(item.split(":")[1]) for item in str(steps).split()]
+    rampup = getattr(args, "rampup_batch_size", None)  # 0.16: [start, increment, samples]
+    if rampup:
+        start, increment = int(rampup[0]), int(rampup[1])
+        sizes += list(range(start, int(args.global_batch_size), max(increment, 1)))
+    return sorted(set(sizes))
+
+
+def _microbatch_counts(args: argparse.Namespace) -> tuple[tuple[int, ...], int | None]:
+    per_step = int(args.micro_batch_size) * _dp_size(args)
+    train = tuple(sorted({max(gbs // per_step, 1) for gbs in _global_batch_sizes(args)}))
+    eval_gbs = getattr(args, "eval_global_batch_size", None)
+    eval_mbs = getattr(args, "eval_micro_batch_size", None)
+    evals = None
+    if eval_gbs and eval_mbs:
+        evals = max(int(eval_gbs) // (int(eval_mbs) * _dp_size(args)), 1)
+    return train, evals
+
+
+def _check_schedule(cfg: PluginConfig, args: argparse.Namespace) -> None:
+    """Build (and lower) the schedule for every micro-batch count the run can see; translate the errors."""
+
+    def where(m: int, what: str) -> str:
+        return (
+            f" [{what}: P={cfg.pp} pipeline stages (--pipeline-model-parallel-size), V={cfg.vp} virtual stages per "
+            f"rank, M={m} micro-batches = global batch / (--micro-batch-size {args.micro_batch_size} x "
+            f"data-parallel size {_dp_size(args)})]"
+        )
+
+    runs = [(m, False, "training") for m in cfg.train_microbatches]
+    if cfg.eval_microbatches is not None:
+        runs.append((cfg.eval_microbatches, True, "evaluation, --eval-global-batch-size"))
+    for m, forward_only, what in runs:
+        try:
+            sched = build(cfg.pipeline_schedule, cfg.pp, cfg.vp, m, cfg.microbatch_group_size, forward_only)
+            if cfg.zero_stage is not None and not forward_only:
+                lower(sched, cfg.zero_stage, cfg.weight_buffers, cfg.grad_buffers)
+        except ScheduleError as e:
+            raise ConfigError(megatron_flag_text(str(e)) + where(m, what)) from None
+
+
+def _flag(args: argparse.Namespace, name: str, default=None):
+    return getattr(args, name, default)
+
+
+def validate_args(args: argparse.Namespace) -> PluginConfig:
+    """Validate Megatron-LM's parsed and validated `args` (after Megatron's own `validate_args`) with the plugin's
+    flags; return the resolved configuration or raise one `ConfigError` naming the flags and the fix."""
+    if not hasattr(args, "pipeline_schedule"):
+        raise ConfigError(
+            "the arguments lack --pipeline-schedule: parse them with "
+            "extra_args_provider=megatron_bfpp.megatron.add_arguments (or run through python -m megatron_bfpp.launch)"
+        )
+    if getattr(args, "data_parallel_size", None) is None:
+        raise ConfigError(
+            "args.data_parallel_size is unset: validate the arguments with Megatron's validate_args first "
+            "(megatron.training.arguments.parse_and_validate_args does)"
+        )
+    schedule = args.pipeline_schedule
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"--pipeline-schedule {schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
+    zero = _flag(args, "zero_stage")
+    wbuf, gbuf = _flag(args, "bfpp_weight_buffers"), _flag(args, "bfpp_grad_buffers")
+    timeline = _flag(args, "timeline")
+    runtime = schedule != "default"
+
+    if not runtime:
+        for value, flag in ((zero, "--zero-stage"), (timeline, "--timeline")):
+            if value is not None:
+                raise ConfigError(
+                    f"{flag} needs megatron_bfpp's schedule runtime: add --pipeline-schedule breadth-first (or "
+                    "interleaved-1f1b / 1f1b), or drop it"
+                )
+    if zero is not None and zero not in (1, 2, 3):
+        raise ConfigError(f"--zero-stage must be 1, 2 or 3 (got {zero})")
+    if wbuf is not None and zero != 3:
+        raise ConfigError("--bfpp-weight-buffers applies to --zero-stage 3 only (gathered weights): drop it or use --zero-stage 3")
+    if gbuf is not None and zero not in (2, 3):
+        raise ConfigError("--bfpp-grad-buffers applies to --zero-stage 2 and 3 only (sharded gradients): drop it or raise --zero-stage")
+    for value, flag in ((wbuf, "--bfpp-weight-buffers"), (gbuf, "--bfpp-grad-buffers")):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1 (got {value})")
+
+    distopt = bool(_flag(args, "use_distributed_optimizer", False))
+    mfsdp = bool(_flag(args, "use_megatron_fsdp", False)) or bool(_flag(args, "use_custom_fsdp", False))
+    tfsdp = bool(_flag(args, "use_torch_fsdp2", False))
+    if runtime and (mfsdp or tfsdp):
+        flag = "--use-megatron-fsdp" if mfsdp else "--use-torch-fsdp2"
+        raise ConfigError(
+            f"{flag} cannot run under --pipeline-schedule {schedule} (FSDP re-gathers weights on every micro-batch "
+            f"and is not pipeline-aware): drop {flag} and use --zero-stage 3 for schedule-placed weight sharding"
+        )
+    if zero == 1 and not distopt:
+        raise ConfigError(
+            "--zero-stage 1 is Megatron's distributed optimizer with the reduce-scatter placed by the schedule: add "
+            "--use-distributed-optimizer (and --overlap-grad-reduce to overlap it), or use --zero-stage 2/3"
+        )
+    if zero in (2, 3):
+        if distopt:
+            raise ConfigError(
+                f"--zero-stage {zero} brings its own sharded optimizer: drop --use-distributed-optimizer (or use "
+                "--zero-stage 1 to keep Megatron's distributed optimizer)"
+            )
+        for name, flag in (("overlap_grad_reduce", "--overlap-grad-reduce"),
+                           ("overlap_param_gather", "--overlap-param-gather")):
+            if _flag(args, name, False):
+                raise ConfigError(
+                    f"--zero-stage {zero} places gradient reduce-scatters and weight all-gathers in the schedule: "
+                    f"drop {flag} (it configures Megatron's own DDP, which --zero-stage {zero} replaces)"
+                )
+    if _flag(args, "fp16", False):
+        scale = _flag(args, "loss_scale")
+        if scale is not None and float(scale) <= 1.0:
+            raise ConfigError(
+                f"--fp16 with --loss-scale {scale} trains without loss scaling and fp16 gradients underflow: drop "
+                "--loss-scale for dynamic scaling, set a constant --loss-scale > 1, or use --bf16"
+            )
+    if runtime:
+        if _flag(args, "cuda_graph_impl", "none") == "full_iteration":
+            raise ConfigError(
+                f"--cuda-graph-impl full_iteration captures Megatron's own schedule; it cannot capture "
+                f"--pipeline-schedule {schedule}: use --cuda-graph-impl none/local/transformer_engine (per-layer) "
+                "or --pipeline-schedule default"
+            )
+        if _flag(args, "overlap_moe_expert_parallel_comm", False):
+            raise ConfigError(
+                f"--overlap-moe-expert-parallel-comm runs Megatron's combined 1F1B schedule: drop it or use "
+                f"--pipeline-schedule default (not {schedule})"
+            )
+        if timeline:
+            parent = os.path.dirname(os.path.abspath(timeline))
+            if not os.path.isdir(parent):
+                raise ConfigError(f"--timeline {timeline}: directory {parent} does not exist; create it first")
+
+    pp = int(args.pipeline_model_parallel_size)
+    vp = int(_flag(args, "virtual_pipeline_model_parallel_size") or 1)
+    group = _flag(args, "microbatch_group_size_per_vp_stage")
+    train_m, eval_m = _microbatch_counts(args)
+    cfg = PluginConfig(
+        pipeline_schedule=schedule,
+        zero_stage=zero,
+        weight_buffers=wbuf if wbuf is not None else DEFAULT_BUFFERS,
+        grad_buffers=gbuf if gbuf is not None else DEFAULT_BUFFERS,
+        timeline=timeline,
+        pp=pp,
+        vp=vp,
+        microbatch_group_size=int(group) if group is not None else None,
+        train_microbatches=train_m,
+        eval_microbatches=eval_m,
+    )
+    if runtime:
+        _check_schedule(cfg, args)
+    return cfg
