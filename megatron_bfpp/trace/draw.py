@@ -90,6 +90,7 @@ def _draw_panel(ax, panel: Panel, normalize: bool, axes_px: float, dpi: float, f
         y = y_of[(e.rank, e.stream)]
         left = (e.start - t0) * scale
         width = max(e.end - e.start, min_w) * scale
+        left = min(left, span * scale - width)  # a zero-length action at the very end stays inside the axes
         kw: dict = {"edgecolor": "white", "linewidth": 0.4}
         height, label = 0.8, None
         if e.op == "WAIT":
@@ -107,8 +108,8 @@ def _draw_panel(ax, panel: Panel, normalize: bool, axes_px: float, dpi: float, f
             kw.update(color=c if e.op.endswith("_F") else _darker(c), linewidth=0)
             height = 0.35 if e.op.startswith("SEND") else 0.6
         ax.barh(y, width, left=left, height=height, **kw)
-        if label and _label_fits(label, (e.end - e.start), span, axes_px, fontsize, dpi):
-            ax.text(left + width / 2, y, label, ha="center", va="center", fontsize=fontsize,
+        if label and _label_fits(label, (e.end - e.start), span, axes_px, fontsize - 1, dpi):
+            ax.text(left + width / 2, y, label, ha="center", va="center", fontsize=fontsize - 1,
                     color="white" if e.op in ("B", "GATHER", "REDUCE") else "black", clip_on=True)
 
     ax.set_yticks(range(len(rows)))
@@ -128,14 +129,17 @@ def _draw_panel(ax, panel: Panel, normalize: bool, axes_px: float, dpi: float, f
     return xlabel
 
 
-def _legend_handles(n_microbatches: int) -> list[Patch]:
+def _legend_handles(ops: set[str], n_microbatches: int) -> list[Patch]:
+    """Legend entries for the kinds of events present (ops) and the micro-batch colours."""
     grey = (0.55, 0.55, 0.55)
-    handles = [
-        Patch(facecolor=grey, edgecolor="white", label="forward F (micro-batch colour)"),
-        Patch(facecolor=_darker(grey), edgecolor="white", hatch="///", label="backward B (darker, hatched)"),
-        Patch(facecolor=WAIT_COLOUR, edgecolor="#c0392b", hatch="xx", label="blocking wait"),
-        Patch(facecolor=P2P_COLOUR, label="send / receive"),
-    ] + [Patch(facecolor=c, label=op) for op, c in DP_COLOURS.items()]
+    kinds = [
+        ("F", Patch(facecolor=grey, edgecolor="white", label="forward F (micro-batch colour)")),
+        ("B", Patch(facecolor=_darker(grey), edgecolor="white", hatch="///", label="backward B (darker, hatched)")),
+        ("WAIT", Patch(facecolor=WAIT_COLOUR, edgecolor="#c0392b", hatch="xx", label="blocking wait")),
+        ("p2p", Patch(facecolor=P2P_COLOUR, label="send / receive (thin)")),
+    ] + [(op, Patch(facecolor=c, label=f"{op} ({DP_LABELS[op]})")) for op, c in DP_COLOURS.items()]
+    p2p = any(op.startswith(("SEND", "RECV")) for op in ops)
+    handles = [h for k, h in kinds if k in ops or (k == "p2p" and p2p)]
     if n_microbatches <= 16:
         handles += [Patch(facecolor=c, label=f"micro-batch {m}")
                     for m, c in enumerate(microbatch_colours(n_microbatches))]
@@ -167,7 +171,8 @@ def draw_panels(panels: Sequence[Panel], path: str | Path, normalize: bool = Fal
             first = first or ax
             _draw_panel(ax, panel, normalize, axes_px, dpi, fontsize)
         n_mb = len({e.microbatch for p in panels for e in p.events if e.microbatch is not None})
-        fig.legend(handles=_legend_handles(n_mb), loc="upper right", fontsize=fontsize, frameon=False,
+        ops = {e.op for p in panels for e in p.events}
+        fig.legend(handles=_legend_handles(ops, n_mb), loc="upper right", fontsize=fontsize, frameon=False,
                    bbox_to_anchor=(1.0, 1 - 0.35 / fig.get_figheight()))
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
