@@ -1,0 +1,320 @@
+"""Cost model: time of every schedule action and memory per rank, from a hardware and a model profile.
+
+Compute. Each GEMM of m x k x n costs `max(2mkn / (peak * gemm_efficiency), bytes / (HBM * memory_efficiency))
++ kernel_overhead`. The fixed overhead gives the achieved-efficiency curve
+
+    efficiency(f) = gemm_efficiency * f / (f + f_half),   f_half = kernel_overhead * peak * gemm_efficiency,
+
+which falls for small matrices (f = FLOPs of the GEMM) and is capped by memory bandwidth for thin ones; both
+parameters are calibration values of the hardware profile. A layer is its four weight GEMMs (QKV, projection,
+fc1, fc2 on the tensor-parallel shard), the attention matmuls (flash-style, same curve), elementwise work
+(LayerNorm, GeLU, dropout, residual: about 38 bytes per token and hidden unit, bandwidth-bound) and, with
+T > 1, the sequence-parallel all-gathers / reduce-scatters on NVLink (two of each per layer and direction,
+not overlapped: Megatron's default). Backward = dgrad + wgrad GEMMs (twice the forward) plus the same
+communication; full recomputation adds one forward to every backward.
+
+Communication. p2p: fixed overhead + link latency + bytes / achieved bandwidth, on NVLink when both pipeline
+ranks share a node, else InfiniBand. Data-parallel collectives are hierarchical rings: a ring inside the node
+over NVLink, then a ring across nodes over InfiniBand on 1/n_in of the data (n_in data-parallel peers per node,
+each with its own NIC). Ranks are laid out as Megatron does: tensor-parallel fastest, then data-parallel,
+then pipeline.
+
+Memory per rank (bytes per parameter; mixed precision with fp32 gradients and Adam, as Megatron with bf16):
+ZeRO-0 (plain DDP) 2 + 4 + 12; ZeRO-1 2 + 4 + 12/D; ZeRO-2 2 + 4/D + 12/D + gradient buffers for
+`grad_buffers` stages; ZeRO-3 (2 + 4 + 12)/D + weight buffers for `weight_buffers` stages + gradient buffers.
+Activations come from the schedule's own order (see `peak_activation_bytes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..schedule import COMPUTE_OPS, Op, Schedule
+from .hardware import Hardware
+from .model import Partition
+
+ELEMENTWISE_BYTES_PER_TOKEN_HIDDEN = 38  # LN in/out 4+4, GeLU on 4h 16, two dropout+residual 7+7 (bf16)
+ELEMENTWISE_KERNELS_PER_LAYER = 8
+ADAM_BYTES_PER_PARAM = 30  # read grad, master, m, v (16), write master, m, v (12), write bf16 weight (2)
+GRAD_BYTES = 4  # fp32 gradient reduction (Megatron's default with bf16)
+PARAM_BYTES = 2  # bf16 weights, as gathered
+
+
+# ---------------------------------------------------------------- compute
+
+def gemm_time(hw: Hardware, m: float, k: float, n: float, count: int = 1) -> float:
+    """Seconds for `count` bf16 GEMMs of m x k x n (roofline with a fixed per-kernel overhead)."""
+    flops = 2.0 * m * k * n
+    nbytes = 2.0 * (m * k + k * n + m * n)
+    t = max(flops / (hw.peak_flops * hw.gemm_efficiency), nbytes / (hw.hbm_bandwidth * hw.memory_efficiency))
+    return count * (t + hw.kernel_overhead_s)
+
+
+def achieved_efficiency(hw: Hardware, m: float, k: float, n: float) -> float:
+    """Fraction of peak FLOP/s one GEMM reaches under the model (for documentation and tests)."""
+    return 2.0 * m * k * n / gemm_time(hw, m, k, n) / hw.peak_flops
+
+
+def ring_time(hw: Hardware, nbytes: float, n_in: int, n_out: int, kind: str) -> float:
+    """Hierarchical ring all-gather / reduce-scatter / all-reduce of a tensor of `nbytes` (full size) over
+    n_in ranks per node (NVLink) times n_out nodes (InfiniBand, 1/n_in of the data per NIC)."""
+    if n_in * n_out <= 1 or nbytes <= 0:
+        return 0.0
+    t = hw.collective_overhead_s
+    if n_in > 1:
+        t += (n_in - 1) / n_in * nbytes / hw.nvlink_bw + (n_in - 1) * hw.nvlink_latency_s
+    if n_out > 1:
+        t += (n_out - 1) / n_out * (nbytes / n_in) / hw.ib_bw + (n_out - 1) * hw.ib_latency_s
+    if kind == "all_reduce":  # reduce-scatter then all-gather
+        return 2 * t
+    if kind not in ("all_gather", "reduce_scatter"):
+        raise ValueError(f"unknown collective {kind!r}")
+    return t
+
+
+def p2p_time(hw: Hardware, nbytes: float, inter_node: bool) -> float:
+    if nbytes <= 0:
+        return 0.0
+    bw, lat = (hw.ib_bw, hw.ib_latency_s) if inter_node else (hw.nvlink_bw, hw.nvlink_latency_s)
+    return hw.collective_overhead_s + lat + nbytes / bw
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the T x D x P GPUs sit (Megatron order: tensor-parallel fastest, then data-parallel, then pipeline)."""
+
+    hw: Hardware
+    tp: int
+    dp: int
+    pp: int
+
+    def __post_init__(self) -> None:
+        g = self.hw.gpus_per_node
+        if self.tp > g or g % self.tp:
+            raise ValueError(
+                f"--tensor-model-parallel-size {self.tp} must divide the {g} GPUs of a {self.hw.name} node"
+            )
+
+    @property
+    def dp_in_node(self) -> int:
+        return min(self.dp, self.hw.gpus_per_node // self.tp)
+
+    @property
+    def dp_nodes(self) -> int:
+        return self.dp // self.dp_in_node
+
+    def pp_inter_node(self, src: int, dst: int) -> bool:
+        """Whether pipeline ranks src and dst are on different nodes."""
+        span, g = self.tp * self.dp, self.hw.gpus_per_node
+        return (src * span) // g != (dst * span) // g
+
+
+def layer_times(hw: Hardware, part: Partition, b: int) -> tuple[float, float]:
+    """(forward, backward without recompute) seconds of one transformer layer on one micro-batch, per GPU."""
+    m, t = part.model, part.tp
+    tokens, h, f, s = b * m.seq_length, m.hidden_size, m.ffn, m.seq_length
+    gemms = (gemm_time(hw, tokens, h, 3 * h / t) + gemm_time(hw, tokens, h / t, h)
+             + gemm_time(hw, tokens, h, f / t) + gemm_time(hw, tokens, f / t, h))
+    # attention scores and weighted sum: b * heads_local batched s x d x s matmuls, fused (flash-style)
+    attn_flops = 4.0 * b * s * s * h / t
+    attn = attn_flops / (hw.peak_flops * hw.gemm_efficiency) + hw.kernel_overhead_s
+    elementwise = (ELEMENTWISE_BYTES_PER_TOKEN_HIDDEN * tokens * h / t / (hw.hbm_bandwidth * hw.memory_efficiency)
+                   + ELEMENTWISE_KERNELS_PER_LAYER * hw.kernel_overhead_s)
+    tp_comm = 0.0
+    if t > 1:  # sequence parallel: all-gather before QKV and fc1, reduce-scatter after proj and fc2
+        tp_comm = 4 * ring_time(hw, 2.0 * tokens * h, t, 1, "all_gather")
+    fwd = gemms + attn + elementwise + tp_comm
+    bwd = 2 * gemms + 2.5 * attn + 2 * elementwise + tp_comm  # flash-attention backward ~2.5x its forward
+    return fwd, bwd
+
+
+def head_times(hw: Hardware, part: Partition, b: int) -> tuple[float, float]:
+    """(forward, backward) of the final LayerNorm, output layer and vocab-parallel cross entropy."""
+    m, t = part.model, part.tp
+    tokens = b * m.seq_length
+    gemm = gemm_time(hw, tokens, m.hidden_size, m.vocab_size / t)
+    ce = 12.0 * tokens * m.vocab_size / t / (hw.hbm_bandwidth * hw.memory_efficiency) + 4 * hw.kernel_overhead_s
+    return gemm + ce, 2 * gemm + ce
+
+
+# ---------------------------------------------------------------- costs table consumed by the engine
+
+@dataclass
+class Costs:
+    """Seconds per action, by stage (and per rank for the optimizer). Built by `analytic_costs` from profiles,
+    by `unit_costs` for drawing, or directly from measurements (`from_measurements`)."""
+
+    forward: list[float]  # F of stage s on one micro-batch (includes nothing else)
+    backward: list[float]  # B of stage s (includes the recomputed forward when recomputing)
+    send_forward: list[float]  # transfer of stage s's output to stage s + 1
+    send_backward: list[float]  # transfer of stage s's input gradient to stage s - 1
+    gather: list[float]  # ZeRO-3 all-gather of stage s's parameters
+    reduce: list[float]  # reduce-scatter (ZeRO >= 1) or all-reduce (ZeRO-0) of stage s's gradients
+    param_sync: list[float]  # ZeRO-1/2: post-optimizer all-gather of stage s's parameters (0 otherwise)
+    optimizer: list[float]  # per pipeline rank
+    reduce_buckets: list[int] = field(default_factory=list)  # >1: reduce overlaps the stage's last backward
+    param_sync_buckets: list[int] = field(default_factory=list)  # >1: first forward starts after one bucket
+    dp_overlap: bool = True
+    p2p_overlap: bool = True
+
+    def __post_init__(self) -> None:
+        n = len(self.forward)
+        if not self.reduce_buckets:
+            self.reduce_buckets = [1] * n
+        if not self.param_sync_buckets:
+            self.param_sync_buckets = [1] * n
+        for name in ("backward", "send_forward", "send_backward", "gather", "reduce", "param_sync",
+                     "reduce_buckets", "param_sync_buckets"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Costs.{name} has {len(getattr(self, name))} entries for {n} stages")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward)
+
+    @staticmethod
+    def uniform(num_stages: int, pp: int, t_forward: float, t_backward: float, t_send: float = 0.0,
+                t_gather: float = 0.0, t_reduce: float = 0.0, t_param_sync: float = 0.0,
+                t_optimizer: float = 0.0, dp_overlap: bool = True, p2p_overlap: bool = True) -> "Costs":
+        n = num_stages
+        return Costs([t_forward] * n, [t_backward] * n, [t_send] * n, [t_send] * n, [t_gather] * n,
+                     [t_reduce] * n, [t_param_sync] * n, [t_optimizer] * pp,
+                     dp_overlap=dp_overlap, p2p_overlap=p2p_overlap)
+
+    @staticmethod
+    def from_measurements(num_stages: int, pp: int, forward: float | list[float], backward: float | list[float],
+                          p2p_bytes: float, p2p_bandwidth: float, p2p_latency: float,
+                          stage_param_bytes: float | list[float], dp: int, gather_bandwidth: float,
+                          reduce_bandwidth: float, collective_latency: float, zero_stage: int,
+                          optimizer: float = 0.0, dp_overlap: bool = True, p2p_overlap: bool = True) -> "Costs":
+        """Costs from measured per-stage F/B seconds and measured bandwidths (bytes/s, as a flat ring reaches
+        them over the D data-parallel ranks); `stage_param_bytes` are bf16 bytes of each stage's parameters."""
+        def per_stage(v: float | list[float]) -> list[float]:
+            return list(v) if isinstance(v, list) else [float(v)] * num_stages
+
+        fwd, bwd, wbytes = per_stage(forward), per_stage(backward), per_stage(stage_param_bytes)
+        send = [p2p_latency + p2p_bytes / p2p_bandwidth if pp > 1 else 0.0] * num_stages
+        frac = (dp - 1) / dp if dp > 1 else 0.0
+        lat = collective_latency if dp > 1 else 0.0
+        ag = [lat + frac * w / gather_bandwidth for w in wbytes]
+        grad = [lat + frac * w * GRAD_BYTES / PARAM_BYTES / reduce_bandwidth for w in wbytes]
+        if zero_stage == 0:
+            grad = [2 * g for g in grad]
+        return Costs(fwd, bwd, list(send), list(send), ag if zero_stage == 3 else [0.0] * num_stages, grad,
+                     ag if zero_stage in (1, 2) else [0.0] * num_stages, [optimizer] * pp,
+                     dp_overlap=dp_overlap, p2p_overlap=p2p_overlap)
+
+
+def unit_costs(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0) -> Costs:
+    """t_F = 1, t_B = 2, free communication: lays out any schedule for drawing and for bubble analysis."""
+    return Costs.uniform(schedule.num_stages, schedule.pp, t_forward, t_backward)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One training configuration as the simulator and planner see it."""
+
+    tp: int
+    pp: int
+    vp: int
+    dp: int
+    micro_batch_size: int
+    microbatches: int  # per data-parallel rank per step
+    schedule: str
+    zero_stage: int  # 0 = plain DDP all-reduce, 1-3 = ZeRO stage
+    recompute: bool
+    group_size: int | None = None
+    dp_overlap: bool = True
+    p2p_overlap: bool = True
+    weight_buffers: int = 2
+    grad_buffers: int = 2
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.microbatches * self.dp
+
+
+def analytic_costs(hw: Hardware, part: Partition, cfg: Config) -> Costs:
+    """Costs of every action of `cfg` from the hardware and model profiles."""
+    b, n_stages, pp = cfg.micro_batch_size, part.num_stages, cfg.pp
+    lf, lb = layer_times(hw, part, b)
+    hf, hb = head_times(hw, part, b)
+    place = Placement(hw, cfg.tp, cfg.dp, pp)
+    fwd, bwd, sf, sb, ag, red, sync, rb, sbk = [], [], [], [], [], [], [], [], []
+    for s in range(n_stages):
+        st = part.stage(s)
+        f = st.layers * lf + (hf if st.last else 0.0)
+        bk = st.layers * lb + (hb if st.last else 0.0)
+        if cfg.recompute:
+            bk += st.layers * lf  # the head is not recomputed
+        fwd.append(f)
+        bwd.append(bk)
+        r = s % pp
+        msg = part.p2p_bytes(b)
+        sf.append(p2p_time(hw, msg, place.pp_inter_node(r, (s + 1) % pp)) if pp > 1 and s < n_stages - 1 else 0.0)
+        sb.append(p2p_time(hw, msg, place.pp_inter_node(r, (s - 1) % pp)) if pp > 1 and s > 0 else 0.0)
+        params = part.stage_params(s)
+        n_in, n_out = place.dp_in_node, place.dp_nodes
+        gather = ring_time(hw, PARAM_BYTES * params, n_in, n_out, "all_gather")
+        ag.append(gather if cfg.zero_stage == 3 else 0.0)
+        kind = "all_reduce" if cfg.zero_stage == 0 else "reduce_scatter"
+        red.append(ring_time(hw, GRAD_BYTES * params, n_in, n_out, kind))
+        sync.append(gather if cfg.zero_stage in (1, 2) else 0.0)
+        # Megatron's DDP / distributed optimizer (ZeRO-0/1) communicate in buckets as layers finish (about one
+        # bucket per layer at these sizes); the sharded runtime (ZeRO-2/3) moves a stage's flat buffer at once.
+        buckets = st.layers if cfg.zero_stage <= 1 else 1
+        rb.append(buckets)
+        sbk.append(buckets)
+    opt = []
+    for r in range(pp):
+        phi = part.rank_params(r)
+        shard = phi if cfg.zero_stage == 0 else phi / cfg.dp
+        opt.append(ADAM_BYTES_PER_PARAM * shard / (hw.hbm_bandwidth * hw.memory_efficiency) + 10 * hw.kernel_overhead_s)
+    return Costs(fwd, bwd, sf, sb, ag, red, sync, opt, rb, sbk, cfg.dp_overlap, cfg.p2p_overlap)
+
+
+# ---------------------------------------------------------------- memory
+
+def peak_activation_bytes(schedule: Schedule, rank: int, stage_bytes: Callable[[int], float]) -> float:
+    """Largest sum of kept activations over the rank's program order (F adds its stage's bytes, B frees them)."""
+    alive = peak = 0.0
+    for a in schedule.ranks[rank]:
+        if a.op == Op.F:
+            alive += stage_bytes(a.stage)
+            peak = max(peak, alive)
+        elif a.op == Op.B:
+            alive -= stage_bytes(a.stage)
+    if schedule.forward_only:
+        return max((stage_bytes(a.stage) for a in schedule.ranks[rank] if a.op in COMPUTE_OPS), default=0.0)
+    return peak
+
+
+def memory_breakdown(part: Partition, cfg: Config, rank: int, activations: float) -> dict[str, float]:
+    """Bytes per category on one GPU of pipeline rank `rank` (`activations` from `peak_activation_bytes`)."""
+    phi = part.rank_params(rank)
+    stages = [rank + c * cfg.pp for c in range(cfg.vp)]
+    biggest = max(part.stage_params(s) for s in stages)
+    d, z = cfg.dp, cfg.zero_stage
+    nw, ng = min(cfg.weight_buffers, cfg.vp), min(cfg.grad_buffers, cfg.vp)
+    mem = {"weights": 0.0, "weight_buffers": 0.0, "gradients": 0.0, "grad_buffers": 0.0, "optimizer": 0.0}
+    if z == 0:
+        mem.update(weights=PARAM_BYTES * phi, gradients=GRAD_BYTES * phi, optimizer=12 * phi)
+    elif z == 1:
+        mem.update(weights=PARAM_BYTES * phi, gradients=GRAD_BYTES * phi, optimizer=12 * phi / d)
+    elif z == 2:
+        mem.update(weights=PARAM_BYTES * phi, gradients=GRAD_BYTES * phi / d, optimizer=12 * phi / d,
+                   grad_buffers=ng * GRAD_BYTES * biggest)
+    elif z == 3:
+        mem.update(weights=PARAM_BYTES * phi / d, weight_buffers=nw * PARAM_BYTES * biggest,
+                   gradients=GRAD_BYTES * phi / d, grad_buffers=ng * GRAD_BYTES * biggest, optimizer=12 * phi / d)
+    else:
+        raise ValueError(f"--zero-stage must be 0, 1, 2 or 3 (got {z})")
+    mem["activations"] = activations
+    mem["working"] = max(part.working_bytes(s, cfg.micro_batch_size) for s in stages)
+    mem["total"] = sum(mem.values())
+    return mem
