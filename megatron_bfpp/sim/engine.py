@@ -1,0 +1,336 @@
+"""Event simulator: times a lowered schedule with a `Costs` table.
+
+Each pipeline rank runs its action list in order on three streams:
+- compute: F and B, in list order. An F/B starts when the compute stream is free and its inputs are there:
+  the activation / gradient from the matching SEND (cross-rank dependency), its stage's parameters (ZeRO-3:
+  the last GATHER of the stage, waited for at the first F/B after it, as the runtime does; ZeRO-1/2: the
+  post-optimizer parameter all-gather, waited for bucket by bucket as Megatron's overlapped param gather),
+  and, ZeRO-2/3, a free gradient buffer at the first B of a stage.
+- p2p: SEND_F / SEND_B transfers, one lane per direction (activations and gradients use separate channels),
+  each lane in list order; a transfer starts when its producing compute has finished and the lane is free. A
+  RECV completes when the matching transfer ends. With `p2p_overlap` off (Megatron-LM 2022: blocking p2p) the
+  sender's compute stream is held until its send completes.
+- dp: GATHER / REDUCE collectives in list order. A GATHER needs a free weight buffer (freed at the RELEASE of
+  its previous stage, once that stage's last compute ended). A REDUCE starts after the stage's last backward;
+  with `reduce_buckets` > 1 it starts after the first bucket's share of that backward and ends no earlier than
+  one bucket after it (bucketed gradient reduction overlapping the backward). With `dp_overlap` off
+  (Megatron-LM 2022) every collective holds the compute stream, and ZeRO-0/1 gradient reductions run after
+  the last backward of the rank, as Megatron did then.
+End of step: all ranks meet after their compute and outstanding REDUCEs (the optimizer needs every gradient
+and a global gradient norm), run the optimizer (slowest rank), and with ZeRO-1/2 and `dp_overlap` off
+all-gather the updated parameters; with `dp_overlap` on that all-gather overlaps the next step's forward,
+which the simulation models in steady state by issuing it at the start of the step.
+
+Time accounting per rank: every instant of the step is compute, bubble (waiting for another rank's compute),
+exposed p2p (waiting on a transfer or blocked by a send), exposed dp (waiting on a collective or a buffer) or
+optimizer. A wait is charged to the dependency that ends it; a wait on a receive counts as bubble until the
+producing compute ended and as p2p after. `bubble_fraction` is bubble / compute (the (P-1)/(V*M) convention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..schedule import Action, Op, Schedule, ScheduleError, add_p2p
+from ..trace.events import TimelineEvent
+from .costs import Costs
+
+
+@dataclass
+class EngineResult:
+    step_time_s: float
+    compute_s: list[float]  # per rank: F/B busy time
+    bubble_s: list[float]
+    exposed_pp_s: list[float]
+    exposed_dp_s: list[float]
+    optimizer_s: float
+    pipeline_end_s: float  # when the last compute of the step ended
+    dp_traffic: dict[str, list[int]]  # per rank: number of "gather" / "reduce" / "param_sync" collectives
+    events: list[TimelineEvent] = field(default_factory=list)
+
+    @property
+    def bubble_fraction(self) -> float:
+        busy = sum(self.compute_s)
+        return sum(self.bubble_s) / busy if busy else 0.0
+
+    @property
+    def bubble_fraction_per_rank(self) -> list[float]:
+        return [b / c if c else 0.0 for b, c in zip(self.bubble_s, self.compute_s)]
+
+    @property
+    def mean_exposed_pp_s(self) -> float:
+        return sum(self.exposed_pp_s) / len(self.exposed_pp_s)
+
+    @property
+    def mean_exposed_dp_s(self) -> float:
+        return sum(self.exposed_dp_s) / len(self.exposed_dp_s)
+
+
+_BUBBLE, _PP, _DP = 0, 1, 2
+
+
+class _Rank:
+    """Mutable per-rank state of the simulation."""
+
+    __slots__ = ("r", "pc", "compute_free", "lane_free", "dp_free", "acct", "gather_end", "wbuf_free",
+                 "gbuf_free", "grad_resident", "last_end", "last_b", "sync", "first_use_done", "deferred",
+                 "counts", "compute_busy")
+
+    def __init__(self, r: int, weight_buffers: int, grad_buffers: int) -> None:
+        self.r = r
+        self.pc = 0
+        self.compute_free = 0.0
+        self.lane_free = [0.0, 0.0]  # activations, gradients
+        self.dp_free = 0.0
+        self.acct = [0.0, 0.0, 0.0]  # bubble, pp, dp
+        self.gather_end: dict[int, float] = {}
+        self.wbuf_free = [0.0] * weight_buffers
+        self.gbuf_free = [0.0] * grad_buffers
+        self.grad_resident: set[int] = set()
+        self.last_end: dict[int, float] = {}  # stage -> end of its last compute so far
+        self.last_b: dict[int, tuple[float, float]] = {}  # stage -> (start, end) of its last backward
+        self.sync: dict[int, tuple[float, float]] = {}  # stage -> post-optimizer all-gather (start, end)
+        self.first_use_done: set[int] = set()
+        self.deferred: list[Action] = []
+        self.counts = {"gather": 0, "reduce": 0, "param_sync": 0}
+        self.compute_busy = 0.0
+
+
+def _lowered(schedule: Schedule) -> Schedule:
+    if schedule.lowered or schedule.pp == 1:
+        return schedule
+    return add_p2p(schedule)
+
+
+def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = True,
+                      iteration: int = 0) -> EngineResult:
+    """Time one training step of `schedule` (lowered here for p2p if needed) under `costs`."""
+    sched = _lowered(schedule)
+    pp, n_stages = sched.pp, sched.num_stages
+    if costs.num_stages != n_stages:
+        raise ScheduleError(f"costs describe {costs.num_stages} stages but the schedule has {n_stages}")
+    if len(costs.optimizer) != pp:
+        raise ScheduleError(f"costs give an optimizer time for {len(costs.optimizer)} ranks, schedule has {pp}")
+    zero = sched.zero_stage
+    fwd, bwd = costs.forward, costs.backward
+    dp_on, p2p_on = costs.dp_overlap, costs.p2p_overlap
+    last_stage = n_stages - 1
+    ranks = [_Rank(r, sched.weight_buffers, sched.grad_buffers) for r in range(pp)]
+    events: list[TimelineEvent] = []
+    rec = record_events
+    # (kind, producing stage, microbatch) -> (transfer start, transfer end, producing compute end)
+    sent: dict[tuple[int, int, int], tuple[float, float, float]] = {}
+    compute_end: dict[tuple[int, int, int], float] = {}  # (0=F/1=B, stage, mb) -> end
+
+    def ev(r: int, stream: str, name: str, op: str, stage: int | None, mb: int | None, t0: float, t1: float):
+        events.append(TimelineEvent(r, stream, name, op, stage, mb, t0, t1, iteration))  # type: ignore[arg-type]
+
+    def stall(st: _Rank, until: float, cat: int, stream: str, name: str, stage: int | None, mb: int | None):
+        """Hold the compute stream until `until`, charging the idle time to `cat`."""
+        if until > st.compute_free:
+            st.acct[cat] += until - st.compute_free
+            if rec:
+                ev(st.r, stream, f"wait {name}", "WAIT", stage, mb, st.compute_free, until)
+            st.compute_free = until
+
+    # Post-optimizer parameter all-gather (ZeRO-1/2), overlapped with the forward: issued at step start in the
+    # order the rank first uses its stages.
+    if dp_on and sched.zero_stage in (1, 2, None):
+        for st in ranks:
+            order: list[int] = []
+            for a in sched.ranks[st.r]:
+                if a.op in (Op.F, Op.B) and a.stage not in order:
+                    order.append(a.stage)
+            for s in order:
+                d = costs.param_sync[s]
+                if d > 0:
+                    t0 = st.dp_free
+                    st.sync[s] = (t0, t0 + d)
+                    st.dp_free = t0 + d
+                    st.counts["param_sync"] += 1
+                    if rec:
+                        ev(st.r, "dp", f"GATHER{s}", "GATHER", s, None, t0, t0 + d)
+
+    def do_reduce(st: _Rank, a: Action, blocking: bool) -> None:
+        s = a.stage
+        d = costs.reduce[s]
+        b_start, b_end = st.last_b.get(s, (st.compute_free, st.compute_free))
+        if blocking:
+            t0 = max(st.dp_free, st.compute_free)
+            t1 = t0 + d
+            stall(st, t1, _DP, "dp", a.text, s, None)
+        else:
+            nb = max(1, costs.reduce_buckets[s])
+            first_ready = b_start + bwd[s] / nb if nb > 1 else b_end
+            t0 = max(st.dp_free, first_ready)
+            t1 = max(t0 + d, b_end + d / nb)
+        st.dp_free = t1
+        st.counts["reduce"] += 1
+        if zero is not None and zero >= 2 and s in st.grad_resident:
+            st.grad_resident.discard(s)
+            st.gbuf_free.append(t1)
+        if rec:
+            ev(st.r, "dp", a.text, "REDUCE", s, None, t0, t1)
+
+    def step_rank(st: _Rank) -> bool:
+        """Advance one rank as far as its dependencies allow; True if anything ran."""
+        acts = sched.ranks[st.r]
+        progressed = False
+        while st.pc < len(acts):
+            a = acts[st.pc]
+            op, s, m = a.op, a.stage, a.microbatch
+            if op is Op.F or op is Op.B:
+                is_f = op is Op.F
+                dur = fwd[s] if is_f else bwd[s]
+                start = st.compute_free
+                why, why_t, split, wname = -1, start, 0.0, ""
+                # input from another rank
+                if pp > 1 and ((is_f and s > 0) or (not is_f and s < last_stage)):
+                    key = (0, s - 1, m) if is_f else (1, s + 1, m)
+                    x = sent[key]  # the RECV before this compute guaranteed it exists
+                    if x[1] > why_t:
+                        why, why_t, split = _PP, x[1], x[2]
+                        wname = ("RECV_F" if is_f else "RECV_B") + f"{s}:{m}"
+                # parameters
+                end_floor = 0.0
+                if zero == 3:
+                    g = st.gather_end.get(s, 0.0)
+                    if g > why_t:
+                        why, why_t, wname = _DP, g, f"GATHER{s}"
+                elif s in st.sync and s not in st.first_use_done:
+                    t0, t1 = st.sync[s]
+                    nb = max(1, costs.param_sync_buckets[s])
+                    ready = t0 + (t1 - t0) / nb
+                    end_floor = t1 + dur / nb
+                    if ready > why_t:
+                        why, why_t, wname = _DP, ready, f"GATHER{s}"
+                st.first_use_done.add(s)
+                # gradient buffer (ZeRO-2/3)
+                if not is_f and zero is not None and zero >= 2 and s not in st.grad_resident:
+                    st.grad_resident.add(s)
+                    st.gbuf_free.sort()
+                    free_t = st.gbuf_free.pop(0) if st.gbuf_free else 0.0
+                    if free_t > why_t:
+                        why, why_t, wname = _DP, free_t, f"grad buffer {s}"
+                if why_t > st.compute_free:
+                    if why == _PP:  # bubble until the producer finished, transfer after
+                        cut = min(max(split, st.compute_free), why_t)
+                        st.acct[_BUBBLE] += cut - st.compute_free
+                        st.acct[_PP] += why_t - cut
+                        if rec:
+                            ev(st.r, "p2p", f"wait {wname}", "WAIT", s, m, st.compute_free, why_t)
+                        st.compute_free = why_t
+                    else:
+                        stall(st, why_t, _DP, "dp", wname, s, m)
+                start = st.compute_free
+                end = max(start + dur, end_floor)
+                st.compute_busy += dur
+                st.acct[_DP] += end - start - dur  # compute slowed by parameter buckets still arriving
+                st.compute_free = end
+                st.last_end[s] = end
+                compute_end[(0 if is_f else 1, s, m)] = end
+                if not is_f:
+                    st.last_b[s] = (start, end)
+                if rec:
+                    ev(st.r, "compute", a.text, op.value, s, m, start, end)
+            elif op is Op.SEND_F or op is Op.SEND_B:
+                kind = 0 if op is Op.SEND_F else 1
+                produced = compute_end[(kind, s, m)]
+                d = costs.send_forward[s] if kind == 0 else costs.send_backward[s]
+                t0 = max(produced, st.lane_free[kind])
+                if not p2p_on:
+                    t0 = max(t0, st.compute_free)
+                t1 = t0 + d
+                st.lane_free[kind] = t1
+                sent[(kind, s, m)] = (t0, t1, produced)
+                if rec:
+                    ev(st.r, "p2p", a.text, op.value, s, m, t0, t1)
+                if not p2p_on:
+                    stall(st, t1, _PP, "p2p", a.text, s, m)
+            elif op is Op.RECV_F or op is Op.RECV_B:
+                key = (0, s - 1, m) if op is Op.RECV_F else (1, s + 1, m)
+                x = sent.get(key)
+                if x is None:
+                    return progressed  # the producing rank has not reached its send yet
+                if rec:
+                    ev(st.r, "p2p", a.text, op.value, s, m, x[0], x[1])
+            elif op is Op.GATHER:
+                d = costs.gather[s]
+                st.wbuf_free.sort()
+                buf = st.wbuf_free.pop(0) if st.wbuf_free else 0.0
+                t0 = max(st.dp_free, buf)
+                if not dp_on:
+                    t0 = max(t0, st.compute_free)
+                t1 = t0 + d
+                st.dp_free = t1
+                st.gather_end[s] = t1
+                st.counts["gather"] += 1
+                if rec:
+                    ev(st.r, "dp", a.text, "GATHER", s, None, t0, t1)
+                if not dp_on:
+                    stall(st, t1, _DP, "dp", a.text, s, None)
+            elif op is Op.RELEASE:
+                t = st.last_end.get(s, 0.0)
+                st.wbuf_free.append(t)
+                if rec:
+                    ev(st.r, "dp", a.text, "RELEASE", s, None, t, t)
+            elif op is Op.REDUCE:
+                if dp_on:
+                    do_reduce(st, a, blocking=False)
+                elif zero is None or zero <= 1:
+                    st.deferred.append(a)  # 2022 Megatron: gradient all-reduce after the whole backward
+                else:
+                    do_reduce(st, a, blocking=True)
+            st.pc += 1
+            progressed = True
+        for a in st.deferred:
+            do_reduce(st, a, blocking=True)
+        st.deferred = []
+        return progressed
+
+    remaining = set(range(pp))
+    while remaining:
+        moved = False
+        for r in sorted(remaining):
+            st = ranks[r]
+            if step_rank(st):
+                moved = True
+            if st.pc >= len(sched.ranks[r]):
+                remaining.discard(r)
+        if not moved and remaining:
+            blocked = "; ".join(f"rank {r} at {sched.ranks[r][ranks[r].pc].text}" for r in sorted(remaining))
+            raise ScheduleError(f"schedule deadlocks in the simulator: {blocked}")
+
+    # End of step.
+    compute_ends = [st.compute_free for st in ranks]
+    pipeline_end = max(compute_ends)
+    sync_point = max(max(st.compute_free, st.dp_free) for st in ranks)
+    opt = max(costs.optimizer)
+    post_sync = 0.0
+    if not dp_on:
+        post_sync = max(sum(costs.param_sync[s] for s in sched.stages_of(r)) for r in range(pp))
+    step = sync_point + opt + post_sync
+    for st in ranks:
+        ce, de = st.compute_free, max(st.compute_free, st.dp_free)
+        st.acct[_DP] += de - ce
+        st.acct[_BUBBLE] += max(de, pipeline_end) - de
+        st.acct[_DP] += sync_point - max(de, pipeline_end) + post_sync
+        if rec:
+            if sync_point > ce:
+                ev(st.r, "dp", "wait REDUCE", "WAIT", None, None, ce, sync_point)
+            if opt > 0:
+                ev(st.r, "compute", "OPTIMIZER", "OPTIMIZER", None, None, sync_point,
+                   sync_point + costs.optimizer[st.r])
+            if post_sync > 0:
+                ev(st.r, "dp", "PARAM_SYNC", "GATHER", None, None, sync_point + opt, step)
+    return EngineResult(
+        step_time_s=step,
+        compute_s=[st.compute_busy for st in ranks],
+        bubble_s=[st.acct[_BUBBLE] for st in ranks],
+        exposed_pp_s=[st.acct[_PP] for st in ranks],
+        exposed_dp_s=[st.acct[_DP] for st in ranks],
+        optimizer_s=opt,
+        pipeline_end_s=pipeline_end,
+        dp_traffic={k: [st.counts[k] for st in ranks] for k in ("gather", "reduce", "param_sync")},
+        events=events,
+    )
