@@ -309,6 +309,10 @@ def test_report_errors(tmp_path):
     lst.write_text("[1, 2]")
     rc, _, err = run_cli(["report", str(lst)])
     assert rc == 2 and "expected a JSON object as written by --report-json" in err
+    sched = tmp_path / "schedule.json"
+    sched.write_text(json.dumps({"schedule": "gpipe", "ranks": [[]]}))
+    rc, _, err = run_cli(["report", str(sched)])
+    assert rc == 2 and "schedule.json: not a run report: it has none of config, losses" in err
     pa, pb = fake_reports(tmp_path)
     rc, _, err = run_cli(["report", str(pa), str(pb), "--labels", "only-one"])
     assert rc == 2 and "--labels gives 1 names for 2 reports" in err

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 FORMATS = ("text", "markdown", "csv")
+REPORT_KEYS = ("config", "losses", "iteration_times_s", "tokens_per_s", "measured", "predicted")
 
 
 class ReportError(ValueError):
@@ -33,6 +34,9 @@ def load_report(path: str | Path) -> dict:
         raise ReportError(f"{p} is not JSON: {e}") from None
     if not isinstance(d, dict):
         raise ReportError(f"{p}: expected a JSON object as written by --report-json")
+    if not set(d) & set(REPORT_KEYS):
+        raise ReportError(f"{p}: not a run report: it has none of {', '.join(REPORT_KEYS)} "
+                          "(write one with the trainer's --report-json PATH)")
     return d
 
 
