@@ -8,7 +8,7 @@ Three ways in (see docs/megatron.md):
 Importing this package does not import Megatron; `install` does.
 """
 
-from .arg_hooks import hook_argument_parsing, unhook_argument_parsing
+from .arg_hooks import hook_argument_parsing, install_after_validation, unhook_argument_parsing
 from .compat import SUPPORTED_VERSIONS, UnsupportedMegatronError, megatron_core_version
 from .flags import PIPELINE_SCHEDULES, add_arguments, chain_args_providers, extra_args_provider
 from .install import install, install_or_exit, installed_config, is_installed, uninstall
@@ -18,6 +18,6 @@ __all__ = [
     "add_arguments", "extra_args_provider", "chain_args_providers", "PIPELINE_SCHEDULES",
     "validate_args", "ConfigError", "PluginConfig", "megatron_flag_text",
     "install", "install_or_exit", "uninstall", "installed_config", "is_installed",
-    "hook_argument_parsing", "unhook_argument_parsing",
+    "hook_argument_parsing", "install_after_validation", "unhook_argument_parsing",
     "SUPPORTED_VERSIONS", "UnsupportedMegatronError", "megatron_core_version",
 ]

@@ -42,9 +42,10 @@ def _wrap_validate(original: Callable) -> Callable:
 _WRAPPERS = {"parse_args": _wrap_parse_args, "validate_args": _wrap_validate, "validate_yaml": _wrap_validate}
 
 
-def hook_argument_parsing() -> list[str]:
-    """Install the hooks (idempotent); returns the rebound names. Import Megatron from the right place first
-    (the launcher puts the Megatron-LM checkout on sys.path before calling this)."""
+def hook_argument_parsing(parse: bool = True) -> list[str]:
+    """Install the hooks (idempotent); returns the rebound names. `parse=False` hooks validation only, for
+    scripts that pass `extra_args_provider(...)` themselves. Import Megatron from the right place first (the
+    launcher puts the Megatron-LM checkout on sys.path before calling this)."""
     if _hooked:
         return [f"{m.__name__}.{a}" for m, a, _ in _hooked]
     for name in _MODULES:
@@ -53,6 +54,8 @@ def hook_argument_parsing() -> list[str]:
         except ImportError:
             continue
         for attr, wrap in _WRAPPERS.items():
+            if attr == "parse_args" and not parse:
+                continue
             if callable(getattr(mod, attr, None)):
                 original = getattr(mod, attr)
                 _hooked.append((mod, attr, original))
@@ -67,6 +70,12 @@ def hook_argument_parsing() -> list[str]:
             "megatron_bfpp.megatron.install(args) yourself after parsing the arguments"
         )
     return names
+
+
+def install_after_validation() -> list[str]:
+    """For scripts that parse inside `pretrain()` (Megatron-LM 0.16): run `install_or_exit(args)` right after
+    Megatron validated the arguments, before `initialize_megatron` creates the process groups."""
+    return hook_argument_parsing(parse=False)
 
 
 def unhook_argument_parsing() -> None:
