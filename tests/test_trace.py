@@ -73,7 +73,8 @@ def test_chrome_trace_layout(tmp_path):
     procs = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
     assert procs == {0: "rank 0", 1: "rank 1"}
-    assert threads == {(r, t): n for r in (0, 1) for t, n in [(0, "compute"), (1, "pipeline p2p"), (2, "data-parallel")]}
+    tracks = [(0, "compute"), (1, "pipeline p2p"), (2, "data-parallel")]
+    assert threads == {(r, t): n for r in (0, 1) for t, n in tracks}
     xs = [e for e in d["traceEvents"] if e["ph"] == "X"]
     assert [(x["name"], x["pid"], x["tid"]) for x in xs] == [("F0:1", 0, 0), ("SEND_B1:0", 1, 1), ("REDUCE1", 1, 2)]
     assert [(x["ts"], x["dur"]) for x in xs] == [(500000.0, 250000.0), (1e6, 5e5), (2e6, 250000.0)]
@@ -174,7 +175,8 @@ def test_check_against_schedule():
     assert any("first difference at position 0: ran F0:1, scheduled F0:0" in p
                for p in check_against_schedule(swapped, s))
     missing = [e for e in it0 if e.name != "B2:1"]
-    assert any("11 compute events, schedule has 12; first difference at position 7: ran B2:2, scheduled B2:1" in p for p in check_against_schedule(missing, s))
+    want = "11 compute events, schedule has 12; first difference at position 7: ran B2:2, scheduled B2:1"
+    assert any(want in p for p in check_against_schedule(missing, s))
     # A GATHER recorded after the compute that needs it.
     late = [ev(e.rank, e.stream, e.name, e.op, e.stage, e.microbatch, e.start + 0.1, e.end + 0.1)
             if e.name == "GATHER0" else e for e in it0]

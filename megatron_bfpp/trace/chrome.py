@@ -84,7 +84,7 @@ def events_from_chrome_dict(d: dict, source: str = "trace") -> list[TimelineEven
         out.append(TimelineEvent(
             rank=int(ev["pid"]), stream=stream, name=str(ev["name"]), op=str(args["op"]),
             stage=args.get("stage"), microbatch=args.get("microbatch"),
-            start=start, end=start + float(ev.get("dur", 0.0)) / _US, iteration=int(args.get("iteration", 0)),
+            start=start, end=start + float(ev.get("dur", 0.0)) / _US, iteration=int(args.get("iteration") or 0),
         ))
     return out
 
@@ -114,7 +114,8 @@ def events_from_list(items: object, source: str = "events") -> list[TimelineEven
         if ev.iteration is None:
             ev.iteration = 0
         if ev.stream not in TRACKS:
-            raise TraceFormatError(f"{source}: event {i} has stream {ev.stream!r}; expected one of {', '.join(STREAMS)}")
+            raise TraceFormatError(f"{source}: event {i} has stream {ev.stream!r}; "
+                                   f"expected one of {', '.join(STREAMS)}")
         out.append(ev)
     return out
 

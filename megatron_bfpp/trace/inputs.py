@@ -1,6 +1,7 @@
 """Read anything that can be drawn as a timeline, recognised by content:
 
-- a Chrome trace written by `write_chrome_trace` (a run's `--timeline` file): {"traceEvents": [...], "otherData": {...}};
+- a Chrome trace written by `write_chrome_trace` (a run's `--timeline` file):
+  {"traceEvents": [...], "otherData": {...}};
 - a list of `TimelineEvent.to_dict()` dicts (one rank's dump);
 - a simulation (or any) JSON object with an "events" list of such dicts, and optional "config" / "title";
 - a schedule from `bfpp schedule` (JSON with "ranks", or the text / CSV forms), laid out with unit times.
@@ -31,7 +32,8 @@ class Timeline:
 def describe_config(cfg: dict) -> str:
     """'breadth-first P=4 V=2 M=8 D=2 ZeRO-3' from whatever of those keys a config dict has."""
     parts = [str(cfg[k]) for k in ("schedule", "name") if cfg.get(k)][:1]
-    for label, keys in (("P", ("pp", "pipeline_model_parallel_size")), ("V", ("vp", "virtual_pipeline_model_parallel_size")),
+    for label, keys in (("P", ("pp", "pipeline_model_parallel_size")),
+                        ("V", ("vp", "virtual_pipeline_model_parallel_size")),
                         ("M", ("microbatches", "num_microbatches")), ("D", ("dp", "data_parallel_size")),
                         ("G", ("group_size",))):
         v = next((cfg[k] for k in keys if cfg.get(k) is not None), None)
