@@ -222,6 +222,20 @@ def test_draw_schedule_from_bfpp_schedule(tmp_path):
     assert w2 == w and h2 > 1.8 * h
 
 
+def test_bar_styles_distinguish_kinds():
+    from megatron_bfpp.trace.draw import bar_style, microbatch_colours
+    colours = dict(enumerate(microbatch_colours(3)))
+    assert len(set(colours.values())) == 3
+    f0, _, lf = bar_style(ev(0, "compute", "F2:0", "F", 2, 0, 0, 1), colours)
+    b0, _, lb = bar_style(ev(0, "compute", "B2:0", "B", 2, 0, 1, 3), colours)
+    f1, _, _ = bar_style(ev(0, "compute", "F2:1", "F", 2, 1, 3, 4), colours)
+    w, _, _ = bar_style(ev(0, "p2p", "wait RECV_B2:0", "WAIT", 2, 0, 1, 2), colours)
+    assert f0["color"] != f1["color"]  # colour by micro-batch
+    assert f0["color"] != b0["color"] and f0["hatch"] is None and b0["hatch"]  # backward darker and hatched
+    assert w["color"] not in {f0["color"], b0["color"], f1["color"]} and w["hatch"]
+    assert (lf, lb) == ("2:0", "2:0")
+
+
 def test_draw_trace_and_simulation_inputs(tmp_path):
     s, events = two_iterations()
     trace = write_chrome_trace(events, tmp_path / "run.json", metadata={"config": {"schedule": "breadth-first"}})

@@ -70,6 +70,25 @@ def _label_fits(text: str, width_data: float, span: float, axes_px: float, fonts
     return width_data / span * axes_px >= len(text) * char_px + 2
 
 
+def bar_style(e: TimelineEvent, colour_of: dict) -> tuple[dict, float, str | None]:
+    """(barh keywords, bar height, label or None) of one event; `colour_of` maps micro-batch -> colour."""
+    kw: dict = {"edgecolor": "white", "linewidth": 0.4}
+    if e.op == "WAIT":
+        kw.update(color=WAIT_COLOUR, edgecolor="#c0392b", hatch="xx")
+        return kw, 0.5, None
+    if e.op in ("F", "B"):
+        c = colour_of.get(e.microbatch, (0.5, 0.5, 0.5))
+        kw.update(color=c if e.op == "F" else _darker(c), hatch=None if e.op == "F" else "///")
+        return kw, 0.8, f"{e.stage}:{e.microbatch}"
+    if e.op in DP_COLOURS:
+        kw.update(color=DP_COLOURS[e.op])
+        return kw, 0.6, f"{DP_LABELS[e.op]}{e.stage}"
+    # sends and receives: thin, tinted by micro-batch
+    c = colour_of.get(e.microbatch, to_rgb(P2P_COLOUR))
+    kw.update(color=c if e.op.endswith("_F") else _darker(c), linewidth=0)
+    return kw, 0.35 if e.op.startswith("SEND") else 0.6, None
+
+
 def _draw_panel(ax, panel: Panel, normalize: bool, axes_px: float, dpi: float, fontsize: float) -> str:
     evs = panel.events
     t0 = min(e.start for e in evs)
@@ -91,22 +110,7 @@ def _draw_panel(ax, panel: Panel, normalize: bool, axes_px: float, dpi: float, f
         left = (e.start - t0) * scale
         width = max(e.end - e.start, min_w) * scale
         left = min(left, span * scale - width)  # a zero-length action at the very end stays inside the axes
-        kw: dict = {"edgecolor": "white", "linewidth": 0.4}
-        height, label = 0.8, None
-        if e.op == "WAIT":
-            kw.update(color=WAIT_COLOUR, edgecolor="#c0392b", hatch="xx")
-            height = 0.5
-        elif e.op in ("F", "B"):
-            c = colour_of.get(e.microbatch, (0.5, 0.5, 0.5))
-            kw.update(color=c if e.op == "F" else _darker(c), hatch=None if e.op == "F" else "///")
-            label = f"{e.stage}:{e.microbatch}"
-        elif e.op in DP_COLOURS:
-            kw.update(color=DP_COLOURS[e.op])
-            height, label = 0.6, f"{DP_LABELS[e.op]}{e.stage}"
-        else:  # sends and receives: thin, tinted by micro-batch
-            c = colour_of.get(e.microbatch, to_rgb(P2P_COLOUR))
-            kw.update(color=c if e.op.endswith("_F") else _darker(c), linewidth=0)
-            height = 0.35 if e.op.startswith("SEND") else 0.6
+        kw, height, label = bar_style(e, colour_of)
         ax.barh(y, width, left=left, height=height, **kw)
         if label and _label_fits(label, (e.end - e.start), span, axes_px, fontsize - 1, dpi):
             ax.text(left + width / 2, y, label, ha="center", va="center", fontsize=fontsize - 1,
