@@ -1,0 +1,211 @@
+"""`bfpp simulate` (predict one configuration) and `bfpp plan` (search and rank configurations)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..schedule import SCHEDULE_NAMES
+from .costs import Config
+from .hardware import PROFILES, get_hardware
+from .model import MODELS, GPTModel, get_model
+from .planner import ZERO_STAGES, SearchSpace, plan
+from .predict import predict
+
+
+class _Error(Exception):
+    pass
+
+
+def _on_off(v: str) -> bool:
+    return v == "on"
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help=f"model profile: {', '.join(MODELS)}")
+    p.add_argument("--hardware", required=True, help=f"hardware profile: {', '.join(PROFILES)}")
+    p.add_argument("--gpus", type=int, required=True, help="total number of GPUs N = T * P * D")
+    p.add_argument("--global-batch-size", type=int, required=True, help="sequences per step B")
+    p.add_argument("--seq-length", type=int, default=None, help="override the model's sequence length (2048)")
+    p.add_argument("--dp-overlap", choices=("on", "off"), default="on",
+                   help="overlap data-parallel communication with compute (off: Megatron-LM as of 2022)")
+    p.add_argument("--p2p-overlap", choices=("on", "off"), default="on",
+                   help="non-blocking pipeline p2p (off: blocking sends, Megatron-LM as of 2022)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def simulate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bfpp simulate", description="Predict one training step of a configuration.")
+    _common(p)
+    p.add_argument("--micro-batch-size", type=int, required=True, help="sequences per micro-batch b")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="T (default 1)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="P (default 1)")
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per stage L; V = layers / (P * L) stages per rank (default: V = 1)")
+    p.add_argument("--pipeline-schedule", choices=SCHEDULE_NAMES, default=None,
+                   help="default: 1f1b when V = 1, interleaved-1f1b otherwise")
+    p.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None,
+                   help="interleaved: Megatron's group size (default P); breadth-first: micro-batches per "
+                        "breadth-first group (default M)")
+    p.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=1,
+                   help="0 = DDP all-reduce, 1 = distributed optimizer, 2, 3 = sharded gradients / weights "
+                        "(default 1)")
+    p.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    p.add_argument("--weight-buffers", type=int, default=2, help="ZeRO-3 gathered stages kept at once")
+    p.add_argument("--grad-buffers", type=int, default=2, help="ZeRO-2/3 full-size gradient buffers")
+    p.add_argument("--trace", default=None, help="write the simulated timeline as a Chrome trace JSON file")
+    return p
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bfpp plan",
+                                description="Search parallel layouts that fit in memory and rank them by throughput.")
+    _common(p)
+    p.add_argument("--pipeline-schedule", choices=SCHEDULE_NAMES, action="append", default=None,
+                   help="restrict to this schedule (repeatable; default all)")
+    p.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, action="append", default=None,
+                   help="restrict to this ZeRO stage (repeatable; default 0-3)")
+    p.add_argument("--tensor-model-parallel-size", type=int, action="append", default=None,
+                   help="restrict T (repeatable)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, action="append", default=None,
+                   help="restrict P (repeatable)")
+    p.add_argument("--micro-batch-size", type=int, action="append", default=None,
+                   help="restrict b (repeatable; default 1, 2, 4, 8, 16)")
+    p.add_argument("--recompute", choices=("on", "off", "search"), default="search",
+                   help="full activation recomputation (default: search both)")
+    p.add_argument("--group-size-search", choices=("on", "off"), default="on",
+                   help="search micro-batch group sizes (off: P for interleaved, M for breadth-first)")
+    p.add_argument("--max-microbatches", type=int, default=256, help="largest M simulated (default 256)")
+    p.add_argument("--top", type=int, default=5, help="candidates to return (default 5)")
+    return p
+
+
+def _model(args: argparse.Namespace) -> GPTModel:
+    m = get_model(args.model)
+    if args.seq_length is not None:
+        if args.seq_length < 1:
+            raise _Error(f"--seq-length must be >= 1 (got {args.seq_length})")
+        m = GPTModel(m.name, m.num_layers, m.hidden_size, m.num_heads, args.seq_length, m.vocab_size,
+                     m.ffn_hidden_size)
+    return m
+
+
+def config_from_args(args: argparse.Namespace, model: GPTModel) -> Config:
+    t, p, n, bsz, b = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.gpus,
+                       args.global_batch_size, args.micro_batch_size)
+    for flag, v in (("--tensor-model-parallel-size", t), ("--pipeline-model-parallel-size", p), ("--gpus", n),
+                    ("--global-batch-size", bsz), ("--micro-batch-size", b)):
+        if v < 1:
+            raise _Error(f"{flag} must be >= 1 (got {v})")
+    if n % (t * p):
+        raise _Error(f"--gpus {n} is not a multiple of T*P = {t}*{p}: the data-parallel size D = N/(T*P) must be whole")
+    d = n // (t * p)
+    if bsz % (d * b):
+        raise _Error(f"--global-batch-size {bsz} is not a multiple of D*b = {d}*{b}: choose B = D * b * M")
+    m = bsz // (d * b)
+    if model.num_layers % p:
+        raise _Error(f"--pipeline-model-parallel-size {p} does not divide the {model.num_layers} layers of {model.name}")
+    if args.num_layers_per_virtual_pipeline_stage is None:
+        v = 1
+    else:
+        lyr = args.num_layers_per_virtual_pipeline_stage
+        if lyr < 1 or (model.num_layers // p) % lyr:
+            raise _Error(f"--num-layers-per-virtual-pipeline-stage {lyr} must divide the {model.num_layers // p} "
+                         f"layers per pipeline rank")
+        v = model.num_layers // (p * lyr)
+    sched = args.pipeline_schedule or ("1f1b" if v == 1 else "interleaved-1f1b")
+    return Config(t, p, v, d, b, m, sched, args.zero_stage, args.recompute, args.microbatch_group_size_per_vp_stage,
+                  _on_off(args.dp_overlap), _on_off(args.p2p_overlap), args.weight_buffers, args.grad_buffers)
+
+
+def _run(prog: str, body, argv: list[str] | None) -> int:
+    try:
+        return body(argv)
+    except (_Error, ValueError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def simulate_main(argv: list[str] | None = None) -> int:
+    return _run("bfpp simulate", _simulate, argv)
+
+
+def _simulate(argv: list[str] | None) -> int:
+    args = simulate_parser().parse_args(argv)
+    model, hw = _model(args), get_hardware(args.hardware)
+    cfg = config_from_args(args, model)
+    pred = predict(model, hw, cfg, record_events=args.trace is not None, check=True)
+    if args.trace:
+        from ..trace.chrome import write_chrome_trace
+
+        write_chrome_trace(pred.events, args.trace, metadata={"source": "bfpp simulate", **pred.to_dict()["config"]})
+    if args.json:
+        print(json.dumps(pred.to_dict(), indent=2))
+        return 0
+    c = pred.to_dict()["config"]
+    print(f"{model.name} on {args.gpus} x {hw.name}: T={cfg.tp} P={cfg.pp} V={cfg.vp} D={cfg.dp} b={cfg.micro_batch_size} "
+          f"M={cfg.microbatches} {cfg.schedule} (group {c['microbatch_group_size_per_vp_stage']}) ZeRO-{cfg.zero_stage}"
+          f"{' recompute' if cfg.recompute else ''}")
+    rows = [("step time", f"{pred.step_time_s:.4f} s"), ("TFLOP/s per GPU", f"{pred.tflops_per_gpu:.1f}"),
+            ("MFU", f"{pred.mfu:.1%}"), ("bubble (of compute)", f"{pred.bubble_fraction:.1%}"),
+            ("exposed p2p", f"{pred.exposed_pp_s:.4f} s"), ("exposed dp", f"{pred.exposed_dp_s:.4f} s"),
+            ("optimizer", f"{pred.optimizer_s:.4f} s"),
+            ("peak memory", f"{pred.peak_memory_gib:.1f} GiB ({'fits' if pred.fits else 'does NOT fit'} in "
+                            f"{hw.usable_memory_bytes / 2**30:.1f} GiB usable)")]
+    rows += [(f"  {k}", f"{v:.2f} GiB") for k, v in pred.memory_gib.items() if k != "total"]
+    for k, v in rows:
+        print(f"  {k:<22} {v}")
+    return 0
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    return _run("bfpp plan", _plan, argv)
+
+
+def _plan(argv: list[str] | None) -> int:
+    args = plan_parser().parse_args(argv)
+    model, hw = _model(args), get_hardware(args.hardware)
+    for flag, vals in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                       ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+                       ("--micro-batch-size", args.micro_batch_size)):
+        if vals and min(vals) < 1:
+            raise _Error(f"{flag} must be >= 1 (got {min(vals)})")
+    space = SearchSpace(
+        schedules=tuple(dict.fromkeys(args.pipeline_schedule or SCHEDULE_NAMES)),
+        zero_stages=tuple(dict.fromkeys(args.zero_stage if args.zero_stage is not None else ZERO_STAGES)),
+        tp_sizes=tuple(args.tensor_model_parallel_size) if args.tensor_model_parallel_size else None,
+        pp_sizes=tuple(args.pipeline_model_parallel_size) if args.pipeline_model_parallel_size else None,
+        micro_batch_sizes=tuple(args.micro_batch_size) if args.micro_batch_size else (1, 2, 4, 8, 16),
+        recompute={"on": (True,), "off": (False,), "search": (False, True)}[args.recompute],
+        search_group_size=_on_off(args.group_size_search),
+        dp_overlap=_on_off(args.dp_overlap), p2p_overlap=_on_off(args.p2p_overlap),
+        max_microbatches=args.max_microbatches,
+    )
+    res = plan(model, hw, args.gpus, args.global_batch_size, space, args.top)
+    if args.json:
+        print(json.dumps(res.to_dict(), indent=2))
+        return 0 if res.candidates else 1
+    print(f"{model.name} on {args.gpus} x {hw.name}, global batch {args.global_batch_size}: "
+          f"{res.searched} configurations, {res.simulated} simulated")
+    if res.candidates:
+        print(f"  {'#':>2} {'TFLOP/s':>8} {'step s':>8} {'GiB':>6}  T  P   V    D  b    M  schedule          G  Z  rc")
+    for i, p in enumerate(res.candidates):
+        c = p.config
+        g = p.to_dict()["config"]["microbatch_group_size_per_vp_stage"]
+        print(f"  {i + 1:>2} {p.tflops_per_gpu:>8.1f} {p.step_time_s:>8.3f} {p.peak_memory_gib:>6.1f} {c.tp:>2} {c.pp:>2} "
+              f"{c.vp:>3} {c.dp:>4} {c.micro_batch_size:>2} {c.microbatches:>4}  {c.schedule:<16} {g if g else '-':>2} "
+              f"{c.zero_stage:>2}  {'y' if c.recompute else 'n'}")
+    if res.rejected:
+        print("  most promising rejected:")
+        for r in res.rejected:
+            c = r.config
+            print(f"    T={c.tp} P={c.pp} V={c.vp} D={c.dp} b={c.micro_batch_size} {c.schedule} ZeRO-{c.zero_stage}"
+                  f"{' rc' if c.recompute else ''} (<= {r.tflops_upper_bound:.0f} TFLOP/s): {r.reason}")
+    for n in res.notes:
+        print(f"  note: {n}")
+    return 0 if res.candidates else 1
+
+
+if __name__ == "__main__":
+    sys.exit(simulate_main())

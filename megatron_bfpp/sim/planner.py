@@ -1,0 +1,244 @@
+"""Configuration planner: search T, P, V, D, b, schedule, group size, ZeRO stage and recomputation, rank the
+configurations that fit in memory by simulated throughput, and say why the most promising others failed.
+
+The search is exact for the top K and fast: every configuration first gets an upper bound on its throughput
+(from compute alone: the busiest rank's F/B time plus the optimizer step, no bubble and no communication),
+candidates are visited best bound first, and the search stops once the K-th best simulated throughput beats
+the next bound. Schedules are built once per pipeline shape and shared across configurations.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from ..schedule import SCHEDULE_NAMES, ScheduleError
+from .costs import ADAM_BYTES_PER_PARAM, Config, Placement, head_times, layer_times, memory_breakdown
+from .hardware import GIB, Hardware
+from .model import GPTModel, Partition
+from .predict import Prediction, check_config, config_dict, memory, predict, schedule_for
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    schedules: tuple[str, ...] = SCHEDULE_NAMES
+    zero_stages: tuple[int, ...] = ZERO_STAGES
+    tp_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to a node
+    pp_sizes: tuple[int, ...] | None = None  # None: every divisor of the layer count
+    vp_sizes: tuple[int, ...] | None = None  # None: every V >= 2 dividing layers / P (looped schedules)
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    recompute: tuple[bool, ...] = (False, True)
+    search_group_size: bool = True  # interleaved: P, 2P, 4P, ..., M; breadth-first: M and its divisors kP
+    dp_overlap: bool = True
+    p2p_overlap: bool = True
+    max_microbatches: int = 256  # bounds simulation cost; larger M is reached through larger micro-batches
+
+
+@dataclass
+class Rejection:
+    config: Config
+    reason: str
+    tflops_upper_bound: float
+
+    def to_dict(self) -> dict:
+        return {"config": config_dict(self.config), "reason": self.reason,
+                "tflops_per_gpu_upper_bound": self.tflops_upper_bound}
+
+
+@dataclass
+class PlanResult:
+    candidates: list[Prediction]  # fitting, best first
+    rejected: list[Rejection]  # most promising rejected configurations first
+    searched: int
+    simulated: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "candidates": [_candidate_dict(p) for p in self.candidates],
+            "rejected": [r.to_dict() for r in self.rejected],
+            "searched": self.searched,
+            "simulated": self.simulated,
+            "notes": self.notes,
+        }
+
+
+def _candidate_dict(p: Prediction) -> dict:
+    return {
+        "config": config_dict(p.config),
+        "tflops_per_gpu": p.tflops_per_gpu,
+        "step_time_s": p.step_time_s,
+        "peak_memory_gib": p.peak_memory_gib,
+        "fits": p.fits,
+        "mfu": p.mfu,
+        "bubble_fraction": p.bubble_fraction,
+        "exposed_dp_s": p.exposed_dp_s,
+        "exposed_pp_s": p.exposed_pp_s,
+    }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _group_sizes(schedule: str, pp: int, m: int, search: bool) -> list[int | None]:
+    if schedule == "interleaved-1f1b":
+        if m < pp:
+            return []
+        if not search:
+            return [pp]
+        out, g = [], pp
+        while g < m:
+            if m % g == 0 or m % g >= pp:
+                out.append(g)
+            g *= 2
+        return out + [m]
+    if schedule == "breadth-first":
+        if not search:
+            return [m]
+        out, g = [], pp
+        while g < m:
+            if m % g == 0:
+                out.append(g)
+            g *= 2
+        return out + [m]
+    return [None]
+
+
+class _Bounds:
+    """Cheap per-configuration quantities: compute-only step-time bound and memory without activations."""
+
+    def __init__(self, model: GPTModel, hw: Hardware) -> None:
+        self.model, self.hw = model, hw
+        self._layer = functools.lru_cache(maxsize=None)(lambda tp, b: layer_times(hw, Partition(model, tp, 1, 1), b))
+        self._head = functools.lru_cache(maxsize=None)(lambda tp, b: head_times(hw, Partition(model, tp, 1, 1), b))
+
+    def step_lower_bound(self, cfg: Config, part: Partition) -> float:
+        lf, lb = self._layer(cfg.tp, cfg.micro_batch_size)
+        hf, hb = self._head(cfg.tp, cfg.micro_batch_size)
+        per_layer = lf + lb + (lf if cfg.recompute else 0.0)
+        busiest = cfg.microbatches * (part.layers_per_stage * cfg.vp * per_layer + hf + hb)  # rank with the head
+        chain = self.model.num_layers * per_layer + hf + hb  # one micro-batch through every stage
+        phi = max(part.rank_params(r) for r in (0, cfg.pp - 1))
+        shard = phi if cfg.zero_stage == 0 else phi / cfg.dp
+        opt = ADAM_BYTES_PER_PARAM * shard / (self.hw.hbm_bandwidth * self.hw.memory_efficiency)
+        return max(busiest, chain) + opt
+
+    def static_memory(self, cfg: Config, part: Partition) -> float:
+        return max(memory_breakdown(part, cfg, r, 0.0)["total"] for r in {0, cfg.pp - 1})
+
+
+def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: int,
+                      space: SearchSpace) -> tuple[list[Config], list[tuple[Config | None, str]]]:
+    """Every configuration of the search space that can run, and (config, reason) for those that cannot."""
+    out: list[Config] = []
+    bad: list[tuple[Config | None, str]] = []
+    g = hw.gpus_per_node
+    tps = space.tp_sizes or tuple(t for t in (1, 2, 4, 8, 16) if t <= g)
+    pps = space.pp_sizes or tuple(_divisors(model.num_layers))
+    for tp in tps:
+        if g % tp or model.num_heads % tp or gpus % tp:
+            bad.append((None, f"T={tp} must divide the {g} GPUs per node, the {model.num_heads} heads and --gpus {gpus}"))
+            continue
+        for pp in pps:
+            if gpus % (tp * pp) or model.num_layers % pp:
+                bad.append((None, f"T*P={tp * pp} must divide --gpus {gpus} and P the {model.num_layers} layers"))
+                continue
+            dp = gpus // (tp * pp)
+            if global_batch % dp:
+                bad.append((None, f"--global-batch-size {global_batch} is not a multiple of D={dp} (T={tp}, P={pp})"))
+                continue
+            per_dp = global_batch // dp
+            for b in space.micro_batch_sizes:
+                if per_dp % b:
+                    continue
+                m = per_dp // b
+                for sched in space.schedules:
+                    if pp == 1 and sched != "1f1b":
+                        continue  # without a pipeline every schedule is 1F1B
+                    if sched in ("gpipe", "1f1b"):
+                        vps = [1]
+                    else:
+                        vps = [v for v in (space.vp_sizes or _divisors(model.num_layers // pp))
+                               if v >= 2 and (model.num_layers // pp) % v == 0]
+                    for vp in vps:
+                        groups = _group_sizes(sched, pp, m, space.search_group_size)
+                        for zero in space.zero_stages:
+                            for rc in space.recompute:
+                                base = Config(tp, pp, vp, dp, b, m, sched, zero, rc, None,
+                                              space.dp_overlap, space.p2p_overlap)
+                                if m > space.max_microbatches:
+                                    bad.append((base, f"M={m} micro-batches per step exceeds the search limit "
+                                                      f"{space.max_microbatches}; a larger micro-batch size covers it"))
+                                    continue
+                                if not groups:
+                                    bad.append((base, f"{sched} needs M >= P micro-batches (M={m}, P={pp})"))
+                                    continue
+                                for gs in groups:
+                                    out.append(Config(tp, pp, vp, dp, b, m, sched, zero, rc,
+                                                      None if gs == _default(sched, pp, m) else gs,
+                                                      space.dp_overlap, space.p2p_overlap))
+    return out, bad
+
+
+def _default(sched: str, pp: int, m: int) -> int | None:
+    return pp if sched == "interleaved-1f1b" else m if sched == "breadth-first" else None
+
+
+def plan(model: GPTModel, hw: Hardware, gpus: int, global_batch: int, space: SearchSpace = SearchSpace(),
+         top: int = 5) -> PlanResult:
+    """The `top` fastest fitting configurations, best first, and the most promising rejected ones."""
+    if gpus < 1 or global_batch < 1:
+        raise ValueError("--gpus and --global-batch-size must be >= 1")
+    if top < 1:
+        raise ValueError(f"--top must be >= 1 (got {top})")
+    configs, bad = enumerate_configs(model, hw, gpus, global_batch, space)
+    bounds = _Bounds(model, hw)
+    flops = model.model_flops_per_sequence() * global_batch
+    usable = hw.usable_memory_bytes
+
+    def ub(cfg: Config) -> float:
+        return flops / bounds.step_lower_bound(cfg, Partition(model, cfg.tp, cfg.pp, cfg.vp)) / gpus / 1e12
+
+    ranked = sorted(((ub(c), i, c) for i, c in enumerate(configs)), key=lambda x: (-x[0], x[1]))
+    rejected = [Rejection(c, why, ub(c)) for c, why in bad if c is not None]
+    fitting: list[Prediction] = []
+    simulated = 0
+    for bound, _, cfg in ranked:
+        if len(fitting) >= top and bound < fitting[top - 1].tflops_per_gpu:
+            break
+        part = Partition(model, cfg.tp, cfg.pp, cfg.vp)
+        static = bounds.static_memory(cfg, part)
+        if static > usable:
+            rejected.append(Rejection(cfg, f"model state alone needs {static / GIB:.1f} GiB > {usable / GIB:.1f} GiB "
+                                           f"usable on {hw.name}", bound))
+            continue
+        try:
+            check_config(model, hw, cfg)
+            sched = schedule_for(cfg)
+        except (ValueError, ScheduleError) as e:
+            rejected.append(Rejection(cfg, str(e), bound))
+            continue
+        mem = memory(model, cfg, sched)
+        peak = max(m["total"] for m in mem)
+        if peak > usable:
+            worst = max(mem, key=lambda m: m["total"])
+            rejected.append(Rejection(cfg, f"needs {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable on {hw.name} "
+                                           f"(activations {worst['activations'] / GIB:.1f}, model state "
+                                           f"{(worst['total'] - worst['activations'] - worst['working']) / GIB:.1f})",
+                                      bound))
+            continue
+        p = predict(model, hw, cfg)
+        simulated += 1
+        fitting.append(p)
+        fitting.sort(key=lambda x: -x.tflops_per_gpu)
+    best = fitting[0].tflops_per_gpu if fitting else 0.0
+    rejected.sort(key=lambda r: -r.tflops_upper_bound)
+    promising = [r for r in rejected if r.tflops_upper_bound > best][:top] or rejected[:top]
+    notes = []
+    if not fitting:
+        reasons = sorted({why for _, why in bad if why} | {r.reason.split(" (")[0] for r in rejected[:3]})
+        notes.append("no configuration fits: " + "; ".join(reasons[:5]))
+    return PlanResult(fitting[:top], promising, len(configs), simulated, notes)

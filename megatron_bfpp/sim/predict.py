@@ -1,0 +1,170 @@
+"""One configuration end to end: check it, build its schedule, time it with the engine, size its memory."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass, field
+
+from ..schedule import Schedule, ScheduleError, build, lower, validate
+from ..schedule.builders import check_breadth_first, check_interleaved
+from ..trace.events import TimelineEvent
+from .costs import Config, Placement, analytic_costs, memory_breakdown, peak_activation_bytes
+from .engine import EngineResult, simulate_schedule
+from .hardware import GIB, Hardware
+from .model import GPTModel, Partition
+
+SINGLE_STAGE = ("gpipe", "1f1b")
+
+
+def default_group_size(schedule: str, pp: int, microbatches: int) -> int | None:
+    """Megatron's default for interleaved (P), one breadth-first group of all M micro-batches."""
+    if schedule == "interleaved-1f1b":
+        return pp
+    if schedule == "breadth-first":
+        return microbatches
+    return None
+
+
+def check_config(model: GPTModel, hw: Hardware, cfg: Config) -> None:
+    """Raise ValueError (one line, naming the flag) for a configuration that cannot run."""
+    Placement(hw, cfg.tp, cfg.dp, cfg.pp)
+    Partition(model, cfg.tp, cfg.pp, cfg.vp)
+    if cfg.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"--zero-stage must be 0, 1, 2 or 3 (got {cfg.zero_stage})")
+    if cfg.schedule in SINGLE_STAGE and cfg.vp != 1:
+        raise ValueError(
+            f"--pipeline-schedule {cfg.schedule} runs one stage per rank: drop "
+            "--num-layers-per-virtual-pipeline-stage or use interleaved-1f1b / breadth-first"
+        )
+    if cfg.schedule not in SINGLE_STAGE and cfg.vp < 2:
+        raise ValueError(
+            f"--pipeline-schedule {cfg.schedule} needs at least 2 virtual stages per rank: set "
+            "--num-layers-per-virtual-pipeline-stage to at most half of layers / P"
+        )
+    g = cfg.group_size or default_group_size(cfg.schedule, cfg.pp, cfg.microbatches)
+    try:
+        if cfg.schedule == "interleaved-1f1b":
+            check_interleaved(cfg.pp, cfg.vp, cfg.microbatches, g)  # type: ignore[arg-type]
+        elif cfg.schedule == "breadth-first":
+            check_breadth_first(cfg.pp, cfg.vp, cfg.microbatches, g)  # type: ignore[arg-type]
+        elif cfg.group_size is not None:
+            raise ValueError(f"--microbatch-group-size-per-vp-stage does not apply to {cfg.schedule}: drop it")
+    except ScheduleError as e:
+        raise ValueError(str(e)) from None
+
+
+@functools.lru_cache(maxsize=512)
+def cached_schedule(name: str, pp: int, vp: int, microbatches: int, group_size: int | None,
+                    lowering_zero: int | None, weight_buffers: int = 2, grad_buffers: int = 2,
+                    check: bool = False) -> Schedule:
+    """The lowered schedule (shared by every configuration with the same pipeline shape)."""
+    sched = lower(build(name, pp, vp, microbatches, group_size), lowering_zero, weight_buffers, grad_buffers)
+    if check:
+        validate(sched)
+    return sched
+
+
+def schedule_for(cfg: Config, check: bool = False) -> Schedule:
+    g = cfg.group_size or default_group_size(cfg.schedule, cfg.pp, cfg.microbatches)
+    lowering_zero = max(cfg.zero_stage, 1)  # ZeRO-0 reduces (all-reduces) where ZeRO-1 reduce-scatters
+    return cached_schedule(cfg.schedule, cfg.pp, cfg.vp, cfg.microbatches, g, lowering_zero,
+                           cfg.weight_buffers, cfg.grad_buffers, check)
+
+
+@dataclass
+class Prediction:
+    config: Config
+    model: str
+    hardware: str
+    step_time_s: float
+    tflops_per_gpu: float
+    mfu: float
+    bubble_fraction: float
+    exposed_dp_s: float
+    exposed_pp_s: float
+    optimizer_s: float
+    compute_s: float  # mean F/B busy time per rank
+    peak_memory_gib: float
+    memory_gib: dict[str, float]  # categories of the rank with the highest peak
+    fits: bool
+    per_rank: list[dict]
+    dp_collectives: dict[str, list[int]]
+    events: list[TimelineEvent] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("events")
+        d["config"] = config_dict(self.config)
+        return d
+
+
+def config_dict(cfg: Config) -> dict:
+    """The configuration under the field names of the planner's JSON contract (plus the extras)."""
+    return {
+        "tensor_model_parallel_size": cfg.tp,
+        "pipeline_model_parallel_size": cfg.pp,
+        "virtual_pipeline_model_parallel_size": cfg.vp,
+        "data_parallel_size": cfg.dp,
+        "micro_batch_size": cfg.micro_batch_size,
+        "pipeline_schedule": cfg.schedule,
+        "zero_stage": cfg.zero_stage,
+        "recompute": cfg.recompute,
+        "num_micro_batches": cfg.microbatches,
+        "microbatch_group_size_per_vp_stage": cfg.group_size or default_group_size(
+            cfg.schedule, cfg.pp, cfg.microbatches),
+        "dp_overlap": cfg.dp_overlap,
+        "p2p_overlap": cfg.p2p_overlap,
+    }
+
+
+def memory(model: GPTModel, cfg: Config, sched: Schedule) -> list[dict[str, float]]:
+    """Per pipeline rank, bytes by category (see `costs.memory_breakdown`)."""
+    part = Partition(model, cfg.tp, cfg.pp, cfg.vp)
+    b = cfg.micro_batch_size
+    out = []
+    for r in range(cfg.pp):
+        act = peak_activation_bytes(sched, r, lambda s: part.activation_bytes(s, b, cfg.recompute))
+        out.append(memory_breakdown(part, cfg, r, act))
+    return out
+
+
+def predict(model: GPTModel, hw: Hardware, cfg: Config, record_events: bool = False,
+            check: bool = False) -> Prediction:
+    """Simulate one step of `cfg`; `check` also validates the schedule (slower, for one-off use)."""
+    check_config(model, hw, cfg)
+    part = Partition(model, cfg.tp, cfg.pp, cfg.vp)
+    sched = schedule_for(cfg, check)
+    costs = analytic_costs(hw, part, cfg)
+    res = simulate_schedule(sched, costs, record_events=record_events)
+    return _prediction(model, hw, cfg, sched, res)
+
+
+def _prediction(model: GPTModel, hw: Hardware, cfg: Config, sched: Schedule, res: EngineResult) -> Prediction:
+    mem = memory(model, cfg, sched)
+    peak_rank = max(range(cfg.pp), key=lambda r: mem[r]["total"])
+    flops = model.model_flops_per_sequence() * cfg.global_batch_size
+    tflops = flops / res.step_time_s / cfg.num_gpus / 1e12
+    pp = cfg.pp
+    per_rank = [
+        {"rank": r, "compute_s": res.compute_s[r], "bubble_s": res.bubble_s[r], "exposed_pp_s": res.exposed_pp_s[r],
+         "exposed_dp_s": res.exposed_dp_s[r], "bubble_fraction": res.bubble_fraction_per_rank[r],
+         "peak_memory_gib": mem[r]["total"] / GIB}
+        for r in range(pp)
+    ]
+    return Prediction(
+        config=cfg, model=model.name, hardware=hw.name,
+        step_time_s=res.step_time_s,
+        tflops_per_gpu=tflops,
+        mfu=tflops * 1e12 / hw.peak_flops,
+        bubble_fraction=res.bubble_fraction,
+        exposed_dp_s=res.mean_exposed_dp_s,
+        exposed_pp_s=res.mean_exposed_pp_s,
+        optimizer_s=res.optimizer_s,
+        compute_s=sum(res.compute_s) / pp,
+        peak_memory_gib=mem[peak_rank]["total"] / GIB,
+        memory_gib={k: v / GIB for k, v in mem[peak_rank].items()},
+        fits=mem[peak_rank]["total"] <= hw.usable_memory_bytes,
+        per_rank=per_rank,
+        dp_collectives=res.dp_traffic,
+        events=res.events,
+    )
