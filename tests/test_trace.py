@@ -15,7 +15,7 @@ from megatron_bfpp.trace.chrome import (
     write_rank_file,
 )
 from megatron_bfpp.trace.events import TimelineEvent
-from megatron_bfpp.trace.layout import unit_timeline
+from megatron_bfpp.trace.inputs import unit_timeline
 from megatron_bfpp.trace.metrics import check_against_schedule, compute_overlaps, iteration_metrics, union_length
 from megatron_bfpp.trace.report import load_report, render
 
@@ -128,6 +128,9 @@ def test_metrics_hand_made():
     # A rank's own window (e.g. its measured step) replaces the global one.
     m1 = iteration_metrics(events, windows={1: (0.0, 2.5)})
     assert m1.ranks[1].bubble == pytest.approx(1.0 / 2.5)
+    # Other work on the compute track (the simulator's optimizer step) is busy time, not bubble.
+    opt = iteration_metrics(events + [ev(1, "compute", "OPTIMIZER", "OPTIMIZER", None, None, 4.0, 5.0)])
+    assert opt.ranks[1].compute_s == 2.5 and opt.ranks[1].bubble == 0.5
     d = m.to_dict()
     assert d["per_rank"][0]["bubble"] == 0.4 and d["consistent"] is True and d["exposed_p2p_wait_s"] == 1.0
 
@@ -149,7 +152,8 @@ def test_overlap_detection():
     ("breadth-first", 8, 4, 4), ("breadth-first", 4, 3, 2),
 ])
 def test_unit_layout_bubble_matches_closed_form(name, pp, vp, m):
-    """With t_B = 2 t_F and free communication: bubble/ideal = (P-1)/(V M) for M >= P; breadth-first with
+    """The simulator's unit-cost layout, measured by `metrics`, against the closed forms. With t_B = 2 t_F and
+    free communication: bubble/ideal = (P-1)/(V M) for M >= P; breadth-first with
     M < P: [(V-1) max(M,P) + M + P - 1]/(V M) - 1 (the design brief's closed forms)."""
     ev_ = unit_timeline(make_schedule(name, pp, vp, m, zero_stage=3))
     over = (pp - 1) / (vp * m) if m >= pp else ((vp - 1) * max(m, pp) + m + pp - 1) / (vp * m) - 1
@@ -157,7 +161,6 @@ def test_unit_layout_bubble_matches_closed_form(name, pp, vp, m):
     assert metrics.step_time_s == pytest.approx(3 * vp * m * (1 + over))
     for r in metrics.ranks:
         assert r.bubble == pytest.approx(over / (1 + over), rel=1e-12)
-        assert r.exposed_dp_wait_s == 0.0
     assert metrics.consistent
 
 
@@ -220,6 +223,8 @@ def test_draw_schedule_from_bfpp_schedule(tmp_path):
     assert rc == 0, err
     w2, h2 = png_size(tmp_path / "cmp.png")
     assert w2 == w and h2 > 1.8 * h
+    rc, _, err = run_cli(["draw", str(sched), "--t-forward", "0", "-o", str(tmp_path / "x.png")])
+    assert rc == 2 and "--t-forward and --t-backward must be > 0" in err
 
 
 def test_bar_styles_distinguish_kinds():
@@ -256,6 +261,8 @@ def test_draw_trace_and_simulation_inputs(tmp_path):
     bad.write_text(json.dumps({"hello": 1}))
     rc, _, err = run_cli(["draw", str(bad), "-o", str(tmp_path / "x.png")])
     assert rc == 2 and "not a timeline" in err
+    rc, _, err = run_cli(["draw", str(tmp_path / "run.json"), "--compare", str(sim), str(trace), "-o", "x.png"])
+    assert rc == 2 and "not both" in err
     rc, _, err = run_cli(["draw", "-o", str(tmp_path / "x.png")])
     assert rc == 2 and "--compare" in err
 

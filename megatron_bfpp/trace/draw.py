@@ -27,6 +27,7 @@ WAIT_COLOUR = "#f4a6a6"
 DP_COLOURS = {"GATHER": "#525252", "REDUCE": "#111111", "RELEASE": "#bdbdbd"}
 DP_LABELS = {"GATHER": "G", "REDUCE": "RS", "RELEASE": "rel"}
 P2P_COLOUR = "#7f7f7f"
+OTHER_COMPUTE_COLOUR = "#c7b299"
 
 
 @dataclass
@@ -80,6 +81,9 @@ def bar_style(e: TimelineEvent, colour_of: dict) -> tuple[dict, float, str | Non
         c = colour_of.get(e.microbatch, (0.5, 0.5, 0.5))
         kw.update(color=c if e.op == "F" else _darker(c), hatch=None if e.op == "F" else "///")
         return kw, 0.8, f"{e.stage}:{e.microbatch}"
+    if e.stream == "compute":  # other work on the compute track, e.g. the optimizer step
+        kw.update(color=OTHER_COMPUTE_COLOUR)
+        return kw, 0.8, e.name
     if e.op in DP_COLOURS:
         kw.update(color=DP_COLOURS[e.op])
         return kw, 0.6, f"{DP_LABELS[e.op]}{e.stage}"

@@ -4,7 +4,8 @@
   {"traceEvents": [...], "otherData": {...}};
 - a list of `TimelineEvent.to_dict()` dicts (one rank's dump);
 - a simulation (or any) JSON object with an "events" list of such dicts, and optional "config" / "title";
-- a schedule from `bfpp schedule` (JSON with "ranks", or the text / CSV forms), laid out with unit times.
+- a schedule from `bfpp schedule` (JSON with "ranks", or the text / CSV forms), laid out by the simulator
+  with unit costs (t_F = 1, t_B = 2, free communication).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from ..schedule import Schedule, ScheduleError, load
 from ..schedule.formats import from_json_dict
 from .chrome import TraceFormatError, events_from_chrome_dict, events_from_list
 from .events import TimelineEvent
-from .layout import unit_timeline
 
 
 @dataclass
@@ -42,6 +42,16 @@ def describe_config(cfg: dict) -> str:
     if cfg.get("zero_stage") is not None:
         parts.append(f"ZeRO-{cfg['zero_stage']}")
     return " ".join(parts)
+
+
+def unit_timeline(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0,
+                  iteration: int = 0) -> list[TimelineEvent]:
+    """Events of `schedule` simulated with unit costs: F = t_forward, B = t_backward, free communication."""
+    if t_forward <= 0 or t_backward <= 0:
+        raise ScheduleError(f"--t-forward and --t-backward must be > 0 (got {t_forward}, {t_backward})")
+    from ..sim import simulate_schedule, unit_costs  # the cost model is only needed to lay out schedules
+
+    return simulate_schedule(schedule, unit_costs(schedule, t_forward, t_backward), iteration=iteration).events
 
 
 def schedule_timeline(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0) -> Timeline:

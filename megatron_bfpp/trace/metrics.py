@@ -4,7 +4,8 @@ Definitions (per rank, one iteration):
 - step time: the iteration's window, by default from the first event start to the last event end over all
   ranks (ranks meet at the optimizer step, so the iteration costs every rank the same wall time); the caller
   may pass each rank's own window instead;
-- compute time: length of the union of F/B events on the compute stream inside the window;
+- compute time: length of the union of the compute track's work inside the window (F and B, and whatever
+  else a recorder puts there, e.g. the simulator's OPTIMIZER step; WAIT events excluded);
 - bubble fraction: (step time - compute time) / step time, i.e. idle compute over step time;
 - exposed data-parallel / p2p wait: sum of the durations of WAIT events on the "dp" / "p2p" stream (a
   blocking wait is time the rank could not hide the communication behind compute).
@@ -150,7 +151,7 @@ def iteration_metrics(
         step = w1 - w0
         busy = union_length(
             (max(e.start, w0), min(e.end, w1)) for e in rev
-            if e.stream == "compute" and e.op in _COMPUTE and e.end > w0 and e.start < w1
+            if e.stream == "compute" and e.op != "WAIT" and e.end > w0 and e.start < w1
         )
         waits = {s: sum(e.end - e.start for e in rev if e.op == "WAIT" and e.stream == s) for s in ("dp", "p2p")}
         ranks.append(RankMetrics(
