@@ -15,7 +15,7 @@ from megatron_bfpp.trace.chrome import (
     write_rank_file,
 )
 from megatron_bfpp.trace.events import TimelineEvent
-from megatron_bfpp.trace.inputs import unit_timeline
+from megatron_bfpp.trace.inputs import simulated_unit_timeline as unit_timeline
 from megatron_bfpp.trace.metrics import check_against_schedule, compute_overlaps, iteration_metrics, union_length
 from megatron_bfpp.trace.report import load_report, render
 
@@ -152,8 +152,8 @@ def test_overlap_detection():
     ("breadth-first", 8, 4, 4), ("breadth-first", 4, 3, 2),
 ])
 def test_unit_layout_bubble_matches_closed_form(name, pp, vp, m):
-    """The simulator's unit-cost layout, measured by `metrics`, against the closed forms. With t_B = 2 t_F and
-    free communication: bubble/ideal = (P-1)/(V M) for M >= P; breadth-first with
+    """The simulator's unit-cost layout (what `bfpp draw` uses for schedules), measured by `metrics`, against
+    the closed forms. With t_B = 2 t_F and free communication: bubble/ideal = (P-1)/(V M) for M >= P; breadth-first with
     M < P: [(V-1) max(M,P) + M + P - 1]/(V M) - 1 (the design brief's closed forms)."""
     ev_ = unit_timeline(make_schedule(name, pp, vp, m, zero_stage=3))
     over = (pp - 1) / (vp * m) if m >= pp else ((vp - 1) * max(m, pp) + m + pp - 1) / (vp * m) - 1

@@ -44,8 +44,8 @@ def describe_config(cfg: dict) -> str:
     return " ".join(parts)
 
 
-def unit_timeline(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0,
-                  iteration: int = 0) -> list[TimelineEvent]:
+def simulated_unit_timeline(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0,
+                            iteration: int = 0) -> list[TimelineEvent]:
     """Events of `schedule` simulated with unit costs: F = t_forward, B = t_backward, free communication."""
     if t_forward <= 0 or t_backward <= 0:
         raise ScheduleError(f"--t-forward and --t-backward must be > 0 (got {t_forward}, {t_backward})")
@@ -60,7 +60,7 @@ def schedule_timeline(schedule: Schedule, t_forward: float = 1.0, t_backward: fl
     if schedule.group_size is not None:
         cfg["group_size"] = schedule.group_size
     title = f"{describe_config(cfg)} (unit times: F={t_forward:g}, B={t_backward:g}, free communication)"
-    return Timeline(unit_timeline(schedule, t_forward, t_backward), title, "schedule", cfg, schedule)
+    return Timeline(simulated_unit_timeline(schedule, t_forward, t_backward), title, "schedule", cfg, schedule)
 
 
 def load_timeline(path: str | Path, t_forward: float = 1.0, t_backward: float = 2.0) -> Timeline:
