@@ -312,6 +312,30 @@ def test_report_text_side_by_side(tmp_path):
     assert "T (tensor parallel)" not in out  # no run has it
 
 
+def test_report_per_rank_blocks_and_simulator_prediction(tmp_path):
+    """Per-rank lists for "memory" and "comm", and a prediction in the simulator's own field names."""
+    r = {
+        "config": {"pipeline_schedule": "breadth-first", "pp": 2, "global_batch_size": 16},
+        "iteration_times_s": [2.0, 1.0],
+        "memory": [{"rank": 0, "peak_bytes": 5 * 2**20}, {"rank": 1, "peak_bytes": 7 * 2**20}],
+        "comm": [{"rank": 0, "dp_allgather_calls": 4, "pp_send_bytes": 1024},
+                 {"rank": 1, "dp_allgather_calls": 6, "pp_send_bytes": 3072}],
+        "predicted": {"step_time_s": 0.9, "bubble_fraction": 0.25, "exposed_pp_s": 0.01, "peak_memory_gib": 2.0},
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(r))
+    rc, out, err = run_cli(["report", str(path)])
+    assert rc == 0, err
+    lines = {line.split("  ")[0].strip(): line.split("  ")[-1].strip() for line in out.splitlines()}
+    assert lines["schedule"] == "breadth-first" and lines["global batch size"] == "16"
+    assert lines["step time"] == "1.000 s"
+    assert lines["peak memory"] == "7.00 MiB"  # the maximum over ranks
+    assert lines["comm: dp_allgather_calls (mean per rank)"] == "5"
+    assert lines["comm: pp_send_bytes (mean per rank)"] == "2.00 KiB"
+    assert lines["predicted bubble / compute"] == "25.0%" and "predicted bubble" not in lines
+    assert lines["predicted exposed p2p"] == "10.00 ms" and lines["predicted peak memory"] == "2.00 GiB"
+
+
 def test_report_markdown_and_csv(tmp_path):
     pa, pb = fake_reports(tmp_path)
     rc, md, _ = run_cli(["report", str(pa), str(pb), "--format", "markdown", "--labels", "BF,DF"])

@@ -65,12 +65,17 @@ def _per_rank(block: object) -> list[dict]:
 
 
 def _peak_of(block: object) -> float | None:
-    """A peak-memory figure from a dict (first key naming a peak) or its per-rank list (maximum)."""
+    """A peak-memory figure (bytes) from a dict (first key naming a peak), its "per_rank" list, or a list of
+    per-rank dicts (the maximum over ranks)."""
+    if isinstance(block, list):
+        block = {"per_rank": block}
     if not isinstance(block, dict):
         return None
     for k in ("peak_memory_bytes", "peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes"):
         if _num(block.get(k)) is not None:
             return _num(block[k])
+    if _num(block.get("peak_memory_gib")) is not None:
+        return _num(block["peak_memory_gib"]) * 2**30  # type: ignore[operator]
     ranks = [_peak_of(r) for r in _per_rank(block)]
     ranks = [r for r in ranks if r is not None]
     return max(ranks) if ranks else None
@@ -160,6 +165,7 @@ ROWS: tuple[Row, ...] = (
     Row("group size", _cfg("group_size")),
     Row("micro-batch size", _cfg("micro_batch_size")),
     Row("sequence length", _cfg("seq_length", "sequence_length")),
+    Row("global batch size", _cfg("global_batch_size")),
     Row("throughput (tokens/s)", lambda r: _num(r.get("tokens_per_s")), lambda v: f"{v:,.0f}", ratio=True),
     Row("step time", step_time, fmt_seconds),
     Row("bubble", _measured("bubble"), fmt_percent),
@@ -171,19 +177,35 @@ ROWS: tuple[Row, ...] = (
         lambda v: f"{v:,.0f}"),
     Row("predicted step time", lambda r: _num(_get(r, "predicted", "step_time_s")), fmt_seconds),
     Row("predicted bubble", lambda r: _num(_get(r, "predicted", "bubble")), fmt_percent),
+    # The simulator's own convention, bubble over compute time ((P-1)/(V M)); not comparable to "bubble".
+    Row("predicted bubble / compute", lambda r: _num(_get(r, "predicted", "bubble_fraction")), fmt_percent),
     Row("predicted exposed dp", lambda r: _num(_get(r, "predicted", "exposed_dp_s")), fmt_seconds),
+    Row("predicted exposed p2p", lambda r: _num(_get(r, "predicted", "exposed_pp_s")), fmt_seconds),
+    Row("predicted TFLOP/s per GPU", lambda r: _num(_get(r, "predicted", "tflops_per_gpu")), lambda v: f"{v:.1f}"),
     Row("predicted peak memory", lambda r: _peak_of(r.get("predicted")), fmt_bytes),
 )
 
 
+def _comm_block(rep: dict) -> tuple[dict[str, float], str]:
+    """Scalar entries of "comm": a dict as is, or a list of per-rank dicts as the mean over ranks."""
+    comm = rep.get("comm")
+    if isinstance(comm, dict):
+        return {k: v for k, v in comm.items() if _num(v) is not None}, ""  # type: ignore[misc]
+    if isinstance(comm, list):
+        ranks = [c for c in comm if isinstance(c, dict)]
+        keys = {k for c in ranks for k, v in c.items() if _num(v) is not None and k != "rank"}
+        return {k: sum(_num(c.get(k)) or 0.0 for c in ranks) / len(ranks) for k in keys}, " (mean per rank)"
+    return {}, ""
+
+
 def _comm_rows(reports: Sequence[dict]) -> list[Row]:
     """One row per scalar entry of the "comm" blocks (e.g. all-gather counts, bytes moved)."""
-    keys = sorted({k for rep in reports if isinstance(rep.get("comm"), dict)
-                   for k, v in rep["comm"].items() if _num(v) is not None})
+    blocks = [_comm_block(rep) for rep in reports]
     rows = []
-    for k in keys:
+    for k in sorted({k for b, _ in blocks for k in b}):
         fmt = fmt_bytes if "bytes" in k else fmt_seconds if k.endswith("_s") else fmt_plain
-        rows.append(Row(f"comm: {k}", lambda r, k=k: _num(_get(r, "comm", k)), fmt))
+        suffix = next((sfx for b, sfx in blocks if k in b and sfx), "")
+        rows.append(Row(f"comm: {k}{suffix}", lambda r, k=k: _comm_block(r)[0].get(k), fmt))
     return rows
 
 
