@@ -52,16 +52,21 @@ def two_iterations():
 
 # ---- Chrome trace ----
 
-def test_chrome_trace_round_trip(tmp_path):
+@pytest.mark.parametrize("epoch", [0.0, 1.7e9])
+def test_chrome_trace_round_trip(tmp_path, epoch):
+    """Recorders time in seconds since the epoch: the file counts from the first event, reading restores it."""
     _, events = two_iterations()
+    events = [ev(e.rank, e.stream, e.name, e.op, e.stage, e.microbatch, e.start * 1e-3 + epoch,
+                 e.end * 1e-3 + epoch, e.iteration) for e in events]
     path = write_chrome_trace(events, tmp_path / "t.json", metadata={"config": {"schedule": "breadth-first"}})
+    assert min(x["ts"] for x in json.loads(path.read_text())["traceEvents"] if x["ph"] == "X") == 0.0
     back = load_chrome_trace(path)
     assert len(back) == len(events)
     for a, b in zip(events, back):
         assert (a.rank, a.stream, a.name, a.op, a.stage, a.microbatch, a.iteration) == (
             b.rank, b.stream, b.name, b.op, b.stage, b.microbatch, b.iteration)
-        assert b.start == pytest.approx(a.start, rel=1e-12, abs=1e-12)
-        assert b.end == pytest.approx(a.end, rel=1e-12, abs=1e-12)
+        assert b.start == pytest.approx(a.start, rel=0, abs=1e-9)  # well under a microsecond
+        assert b.end - b.start == pytest.approx(a.end - a.start, rel=0, abs=1e-9)
     assert chrome_trace_metadata(path) == {"config": {"schedule": "breadth-first"}}
 
 
@@ -69,6 +74,7 @@ def test_chrome_trace_layout(tmp_path):
     events = [ev(0, "compute", "F0:1", "F", 0, 1, 0.5, 0.75), ev(1, "p2p", "SEND_B1:0", "SEND_B", 1, 0, 1.0, 1.5),
               ev(1, "dp", "REDUCE1", "REDUCE", 1, None, 2.0, 2.25, 3)]
     d = json.loads(write_chrome_trace(events, tmp_path / "t.json").read_text())
+    assert d["otherData"] == {"time_origin_s": 0.5}
     meta = [e for e in d["traceEvents"] if e["ph"] == "M"]
     procs = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
@@ -77,7 +83,7 @@ def test_chrome_trace_layout(tmp_path):
     assert threads == {(r, t): n for r in (0, 1) for t, n in tracks}
     xs = [e for e in d["traceEvents"] if e["ph"] == "X"]
     assert [(x["name"], x["pid"], x["tid"]) for x in xs] == [("F0:1", 0, 0), ("SEND_B1:0", 1, 1), ("REDUCE1", 1, 2)]
-    assert [(x["ts"], x["dur"]) for x in xs] == [(500000.0, 250000.0), (1e6, 5e5), (2e6, 250000.0)]
+    assert [(x["ts"], x["dur"]) for x in xs] == [(0.0, 250000.0), (5e5, 5e5), (1.5e6, 250000.0)]
     assert xs[0]["args"] == {"op": "F", "stage": 0, "microbatch": 1, "iteration": 0}
     assert xs[2]["args"] == {"op": "REDUCE", "stage": 1, "microbatch": None, "iteration": 3}
     assert {s: TRACKS[s][0] for s in ("compute", "p2p", "dp")} == {"compute": 0, "p2p": 1, "dp": 2}

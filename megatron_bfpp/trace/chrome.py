@@ -3,6 +3,9 @@
 Layout: one process per rank ("rank R"), one thread per stream (compute, pipeline p2p, data-parallel), one
 complete ("X") event per action with microsecond timestamps, named by the action's text form and carrying
 args {"op", "stage", "microbatch", "iteration"} (the keys of `bfpp schedule --format json` plus iteration).
+Timestamps count from the earliest event (recorders use seconds since the epoch, which Perfetto would show as
+huge offsets and which lose sub-microsecond precision in microseconds); the origin is kept in
+otherData["time_origin_s"] so that reading the file back restores the recorded times.
 """
 
 from __future__ import annotations
@@ -21,15 +24,22 @@ TRACKS: dict[str, tuple[int, str]] = {
 }
 _STREAM_OF_TID = {tid: stream for stream, (tid, _) in TRACKS.items()}
 _US = 1e6  # Chrome traces count microseconds; events count seconds
+ORIGIN_KEY = "time_origin_s"
 
 
 class TraceFormatError(ValueError):
     """A timeline file is not in a form this package reads; the message names the file and what was expected."""
 
 
-def chrome_trace_dict(events: Iterable[TimelineEvent], metadata: dict | None = None) -> dict:
-    """The Chrome trace (JSON object format) of `events`; `metadata` is kept under "otherData"."""
+def chrome_trace_dict(events: Iterable[TimelineEvent], metadata: dict | None = None,
+                      origin: float | None = None) -> dict:
+    """The Chrome trace (JSON object format) of `events`; `metadata` is kept under "otherData".
+
+    `origin` (seconds) is subtracted from every time; None uses the earliest event start.
+    """
     events = list(events)
+    if origin is None:
+        origin = min((e.start for e in events), default=0.0)
     trace: list[dict] = []
     for rank in sorted({e.rank for e in events}):
         trace.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
@@ -47,23 +57,21 @@ def chrome_trace_dict(events: Iterable[TimelineEvent], metadata: dict | None = N
             "name": e.name,
             "cat": e.stream,
             "ph": "X",
-            "ts": e.start * _US,
+            "ts": (e.start - origin) * _US,
             "dur": max(0.0, e.end - e.start) * _US,
             "pid": e.rank,
             "tid": TRACKS[e.stream][0],
             "args": {"op": e.op, "stage": e.stage, "microbatch": e.microbatch, "iteration": e.iteration},
         })
-    out: dict = {"traceEvents": trace, "displayTimeUnit": "ms"}
-    if metadata:
-        out["otherData"] = metadata
-    return out
+    return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {**(metadata or {}), ORIGIN_KEY: origin}}
 
 
-def write_chrome_trace(events: Iterable[TimelineEvent], path: str | Path, metadata: dict | None = None) -> Path:
+def write_chrome_trace(events: Iterable[TimelineEvent], path: str | Path, metadata: dict | None = None,
+                       origin: float | None = None) -> Path:
     """Write `events` as one Chrome trace JSON file (opens in https://ui.perfetto.dev or chrome://tracing)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(chrome_trace_dict(events, metadata)))
+    p.write_text(json.dumps(chrome_trace_dict(events, metadata, origin)))
     return p
 
 
@@ -71,6 +79,7 @@ def events_from_chrome_dict(d: dict, source: str = "trace") -> list[TimelineEven
     """TimelineEvents back from a Chrome trace written by `write_chrome_trace` (metadata events skipped)."""
     if not isinstance(d, dict) or not isinstance(d.get("traceEvents"), list):
         raise TraceFormatError(f"{source}: not a Chrome trace (expected a JSON object with a 'traceEvents' list)")
+    origin = float((d.get("otherData") or {}).get(ORIGIN_KEY, 0.0))
     out: list[TimelineEvent] = []
     for ev in d["traceEvents"]:
         if ev.get("ph") != "X":
@@ -80,11 +89,12 @@ def events_from_chrome_dict(d: dict, source: str = "trace") -> list[TimelineEven
         if stream is None or "op" not in args:
             raise TraceFormatError(f"{source}: event {ev.get('name')!r} lacks a stream (cat/tid) or args.op; "
                                    "only traces written by megatron_bfpp can be read back")
-        start = float(ev["ts"]) / _US
+        start = origin + float(ev["ts"]) / _US
         out.append(TimelineEvent(
             rank=int(ev["pid"]), stream=stream, name=str(ev["name"]), op=str(args["op"]),
             stage=args.get("stage"), microbatch=args.get("microbatch"),
-            start=start, end=start + float(ev.get("dur", 0.0)) / _US, iteration=int(args.get("iteration") or 0),
+            start=start, end=origin + (float(ev["ts"]) + float(ev.get("dur", 0.0))) / _US,
+            iteration=int(args.get("iteration") or 0),
         ))
     return out
 
@@ -96,9 +106,11 @@ def load_chrome_trace(path: str | Path) -> list[TimelineEvent]:
 
 
 def chrome_trace_metadata(path: str | Path) -> dict:
-    """The metadata ("otherData") stored in a Chrome trace, or {}."""
+    """The metadata stored in a Chrome trace ("otherData" without the time origin), or {}."""
     d = _read_json(Path(path))
-    return dict(d.get("otherData") or {}) if isinstance(d, dict) else {}
+    meta = dict(d.get("otherData") or {}) if isinstance(d, dict) else {}
+    meta.pop(ORIGIN_KEY, None)
+    return meta
 
 
 def events_from_list(items: object, source: str = "events") -> list[TimelineEvent]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..schedule import Schedule, ScheduleError, load
 from ..schedule.formats import from_json_dict
-from .chrome import TraceFormatError, events_from_chrome_dict, events_from_list
+from .chrome import ORIGIN_KEY, TraceFormatError, events_from_chrome_dict, events_from_list
 from .events import TimelineEvent
 
 
@@ -86,7 +86,7 @@ def timeline_from_text(text: str, source: str, t_forward: float = 1.0, t_backwar
     if isinstance(d, list):
         return Timeline(events_from_list(d, source), p.stem, "events")
     if isinstance(d, dict) and "traceEvents" in d:
-        meta = dict(d.get("otherData") or {})
+        meta = {k: v for k, v in (d.get("otherData") or {}).items() if k != ORIGIN_KEY}
         return Timeline(events_from_chrome_dict(d, source), _title(meta, p), "trace", meta)
     if isinstance(d, dict) and isinstance(d.get("events"), list):
         meta = {k: v for k, v in d.items() if k != "events"}
