@@ -1,0 +1,328 @@
+"""The trainer: a Megatron-Core GPT trained with megatron_bfpp's schedules and sharded data parallelism.
+
+Run under torchrun (`torchrun --nproc-per-node 4 -m megatron_bfpp.train ...`) or through `bfpp train
+--nproc-per-node 4 ...`. Flags are Megatron-LM's (parsed by `megatron.training.arguments`) plus the plugin's
+(`--pipeline-schedule`, `--zero-stage`, ...) and the trainer's (`--report-json`, `--timeline-iterations`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .train_config import TrainerConfigError, parse_trainer_args
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class Trainer:
+    """Builds model, data, optimizer and schedule from parsed args; runs iterations; writes reports."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from megatron.core import parallel_state as ps
+
+        from . import parallel
+        from .runtime import get_forward_backward_func, set_wait_timeout
+
+        self.args = args
+        parallel.init_parallel(
+            args.pipeline_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size,
+            args.tensor_model_parallel_size,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
+            distributed_timeout_seconds=args.distributed_timeout_seconds,
+        )
+        parallel.set_seed(args.seed)
+        set_wait_timeout(args.distributed_timeout_seconds or args.distributed_timeout_minutes * 60)
+        self.rank = dist.get_rank()
+        self.pp_rank, self.pp = parallel.pp_rank(), parallel.pp_size()
+        self.dp_rank, self.dp = parallel.dp_rank(), parallel.dp_size()
+        self.vp = args.virtual_pipeline_model_parallel_size or 1
+        self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp)
+        self.is_last_stage = self.pp_rank == self.pp - 1
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.config, self.model, self.optimizer = self._build_model_and_optimizer()
+        self.scheduler = self._build_lr_scheduler()
+        self.data_iterators = self._build_data()
+        self.forward_backward = get_forward_backward_func(
+            args.pipeline_schedule, args.microbatch_group_size_per_vp_stage,
+            weight_buffers=args.bfpp_weight_buffers or 2, grad_buffers=args.bfpp_grad_buffers or 2,
+        )
+        self.iteration = 0
+        self.losses: list[float] = []
+        self.iteration_times: list[float] = []
+        self.ps = ps
+
+    # -- building ---------------------------------------------------------------------------------------------
+
+    def _build_model_and_optimizer(self):
+        from . import model as model_lib
+        from .sharded import ShardedDataParallel, ShardedOptimizer, finalize_model_grads
+
+        a = self.args
+        dtype = "bf16" if a.bf16 else "fp16" if a.fp16 else "fp32"
+        config = model_lib.make_transformer_config(
+            num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+            ffn_hidden_size=a.ffn_hidden_size, num_query_groups=a.num_query_groups if a.group_query_attention else None,
+            kv_channels=a.kv_channels, hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
+            params_dtype=dtype, init_method_std=a.init_method_std, normalization=a.normalization,
+            layernorm_epsilon=a.norm_epsilon, add_bias_linear=a.add_bias_linear,
+            recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
+            recompute_num_layers=a.recompute_num_layers, pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vp if self.vp > 1 else None,
+            tensor_model_parallel_size=a.tensor_model_parallel_size,
+        )
+        chunks = model_lib.build_model_chunks(
+            config, vocab_size=a.padded_vocab_size, max_sequence_length=a.max_position_embeddings,
+            pp_rank=self.pp_rank, pp_size=self.pp, vp_size=self.vp,
+            share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights, seed=a.seed,
+            device=self.device, position_embedding_type=a.position_embedding_type,
+        )
+        wrapped = [ShardedDataParallel(config, None, c, zero_stage=a.zero_stage) for c in chunks]
+        config.finalize_model_grads_func = finalize_model_grads
+        optimizer = ShardedOptimizer(
+            wrapped, lr=a.lr, weight_decay=a.weight_decay, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps,
+            clip_grad=a.clip_grad, loss_scale=a.loss_scale, initial_loss_scale=a.initial_loss_scale,
+            min_loss_scale=a.min_loss_scale, loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
+        )
+        if a.fp16 or a.bf16:
+            config.grad_scale_func = optimizer.scale_loss
+        return config, wrapped, optimizer
+
+    def _build_lr_scheduler(self):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        a = self.args
+        decay_iters = a.lr_decay_iters or a.train_iters
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=a.lr_warmup_init, max_lr=a.lr, min_lr=a.min_lr,
+            lr_warmup_steps=a.lr_warmup_iters * a.global_batch_size,
+            lr_decay_steps=decay_iters * a.global_batch_size, lr_decay_style=a.lr_decay_style,
+            start_wd=a.weight_decay, end_wd=a.weight_decay, wd_incr_steps=a.train_iters * a.global_batch_size,
+            wd_incr_style="constant",
+        )
+
+    def _build_data(self):
+        from .data import make_microbatch_iterators
+
+        a = self.args
+        return make_microbatch_iterators(
+            seq_length=a.seq_length, vocab_size=a.padded_vocab_size, global_batch_size=a.global_batch_size,
+            micro_batch_size=a.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp, seed=a.seed,
+            train_iters=a.train_iters, data_path=a.data_path or None, num_chunks=self.vp,
+            data_cache_path=a.data_cache_path,
+        )
+
+    # -- training ---------------------------------------------------------------------------------------------
+
+    def train_step(self) -> tuple[float, bool, float | None]:
+        """One iteration, as Megatron-LM's train_step: zero grads, schedule, optimizer step. Returns
+        (global-batch lm loss, update_successful, grad_norm)."""
+        from .data import gpt_forward_step
+
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        store = self.forward_backward(
+            forward_step_func=gpt_forward_step, data_iterator=self.data_iterators, model=self.model,
+            num_microbatches=self.num_microbatches, seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size, forward_only=False,
+        )
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=self.args.global_batch_size)
+        return self._global_batch_loss(store), update_successful, grad_norm
+
+    def _global_batch_loss(self, store: list[dict]) -> float:
+        """lm loss over the global batch (token-weighted, as Megatron's train_step reduces it), on every rank."""
+        total = torch.zeros(2, dtype=torch.float64)
+        for item in store:
+            total += item["lm loss"].detach().to("cpu", torch.float64)
+        if self.is_last_stage and self.dp > 1:
+            dist.all_reduce(total, group=self.ps.get_data_parallel_group())
+        # Everyone in the pipeline learns the loss from the last stage.
+        src = dist.get_process_group_ranks(self.ps.get_pipeline_model_parallel_group())[-1]
+        t = total.to(self.device) if self.device.type == "cuda" else total
+        dist.broadcast(t, src=src, group=self.ps.get_pipeline_model_parallel_group())
+        return float(t[0] / t[1]) if float(t[1]) > 0 else float("nan")
+
+    def run(self) -> dict:
+        from .runtime import ActionRecorder, set_recorder
+
+        a = self.args
+        record_iters = set(a.timeline_iterations) | {a.train_iters}
+        recorder = ActionRecorder(self.rank)
+        set_recorder(recorder)
+        tokens_per_iter = a.global_batch_size * a.seq_length
+        while self.iteration < a.train_iters:
+            self.iteration += 1
+            recorder.enabled = self.iteration in record_iters
+            recorder.iteration = self.iteration
+            t0 = time.perf_counter()
+            loss, ok, grad_norm = self.train_step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            self.losses.append(loss)
+            self.iteration_times.append(dt)
+            if a.check_for_nan_in_loss_and_grad and not math.isfinite(loss):
+                raise FloatingPointError(f"rank {self.rank}: iteration {self.iteration}: lm loss is {loss} "
+                                         "(--check-for-nan-in-loss-and-grad)")
+            if self.rank == 0 and (self.iteration % a.log_interval == 0 or self.iteration == a.train_iters):
+                _log(self._log_line(loss, dt, tokens_per_iter, grad_norm, ok))
+        set_recorder(None)
+        report = self._report(recorder)
+        return report
+
+    def _log_line(self, loss: float, dt: float, tokens: int, grad_norm: float | None, ok: bool) -> str:
+        a = self.args
+        lr = self.optimizer.param_groups[0]["lr"]
+        parts = [
+            f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {self.iteration:8d}/{a.train_iters:8d}",
+            f"consumed samples: {self.iteration * a.global_batch_size:12d}",
+            f"elapsed time per iteration (ms): {dt * 1e3:.1f}",
+            f"throughput (tokens/s): {tokens / dt:.1f}",
+            f"learning rate: {lr:.6E}",
+            f"global batch size: {a.global_batch_size:5d}",
+            f"lm loss: {loss:.6E}",
+            f"loss scale: {self.optimizer.get_loss_scale().item() if torch.is_tensor(self.optimizer.get_loss_scale()) else self.optimizer.get_loss_scale():.1f}",
+        ]
+        if grad_norm is not None:
+            parts.append(f"grad norm: {grad_norm:.3f}")
+        parts.append(f"number of skipped iterations: {0 if ok else 1:3d}")
+        return " | ".join(parts) + " |"
+
+    # -- reporting --------------------------------------------------------------------------------------------
+
+    def _report(self, recorder) -> dict:
+        from .runtime import last_schedule
+
+        a = self.args
+        per_rank = {
+            "comm": self._comm_stats(),
+            "memory": self._memory_stats(recorder),
+            "events": [e.to_dict() for e in recorder.events],
+        }
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, per_rank)
+        report: dict[str, Any] = {}
+        if self.rank == 0:
+            from .trace.events import TimelineEvent
+
+            events = [TimelineEvent.from_dict(e) for g in gathered for e in g["events"]]
+            times = self.iteration_times
+            steady = times[1:] if len(times) > 1 else times
+            median = sorted(steady)[len(steady) // 2]
+            report = {
+                "config": self._config_dict(),
+                "losses": self.losses,
+                "iteration_times_s": times,
+                "tokens_per_s": a.global_batch_size * a.seq_length / median,
+                "comm": [g["comm"] for g in gathered],
+                "memory": [g["memory"] for g in gathered],
+            }
+            last = [e for e in events if e.iteration == a.train_iters]
+            if last:
+                from .trace.metrics import iteration_metrics
+
+                measured = iteration_metrics(last, a.train_iters).to_dict()
+                measured["peak_memory_bytes"] = max(m["peak_bytes"] for m in report["memory"])
+                report["measured"] = measured
+            report["predicted"] = self._prediction()
+            if a.timeline:
+                from .trace.chrome import write_chrome_trace
+
+                wanted = set(a.timeline_iterations) or {a.train_iters}
+                write_chrome_trace([e for e in events if e.iteration in wanted], a.timeline,
+                                   metadata={"config": report["config"]})
+                _log(f"timeline written to {a.timeline}")
+            if a.report_json:
+                _atomic_write_json(a.report_json, report)
+                _log(f"report written to {a.report_json}")
+            sched = last_schedule()
+            _log(f"done: {a.train_iters} iterations, schedule {sched.name if sched else a.pipeline_schedule}, "
+                 f"final lm loss {self.losses[-1]:.4f}, {report['tokens_per_s']:.1f} tokens/s")
+        return report
+
+    def _comm_stats(self) -> dict:
+        stats = {k: 0 for k in ("dp_allgather_calls", "dp_allgather_bytes", "dp_reduce_scatter_calls",
+                                "dp_reduce_scatter_bytes", "dp_allreduce_calls", "dp_allreduce_bytes")}
+        stats.update(self.optimizer.comm_stats())
+        from .runtime.forward_backward import _state
+
+        stats["pp_send_bytes"] = sum(p.last_step_sent_bytes for p in _state["p2p"].values())
+        stats["rank"] = self.rank
+        return stats
+
+    def _memory_stats(self, recorder) -> dict:
+        mem = dict(self.optimizer.memory_stats())
+        mem["rank"] = self.rank
+        if self.device.type == "cuda":
+            mem["peak_bytes"] = torch.cuda.max_memory_allocated()
+        else:
+            mem["peak_bytes"] = int(mem.get("param_bytes", 0) + mem.get("grad_bytes", 0)
+                                    + mem.get("optimizer_bytes", 0) + mem.get("peak_activation_bytes", 0))
+        return mem
+
+    def _prediction(self) -> dict | None:
+        try:
+            from .sim.predict import predict_for_trainer
+        except ImportError:
+            return None
+        return predict_for_trainer(self.args, self.iteration_times)
+
+    def _config_dict(self) -> dict:
+        a = self.args
+        return {
+            "pipeline_schedule": a.pipeline_schedule, "pp": self.pp, "vp": self.vp, "dp": self.dp,
+            "tp": a.tensor_model_parallel_size, "zero_stage": a.zero_stage, "microbatches": self.num_microbatches,
+            "group_size": a.microbatch_group_size_per_vp_stage, "num_layers": a.num_layers,
+            "hidden_size": a.hidden_size, "num_attention_heads": a.num_attention_heads, "seq_length": a.seq_length,
+            "micro_batch_size": a.micro_batch_size, "global_batch_size": a.global_batch_size,
+            "train_iters": a.train_iters, "lr": a.lr, "seed": a.seed, "vocab_size": a.padded_vocab_size,
+            "tied_embeddings": not a.untie_embeddings_and_output_weights, "recompute": a.recompute_granularity,
+            "dtype": "bf16" if a.bf16 else "fp16" if a.fp16 else "fp32", "world_size": dist.get_world_size(),
+            "data": a.data_path or "mock",
+        }
+
+
+def _atomic_write_json(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse_trainer_args(argv)
+    except TrainerConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    trainer = Trainer(args)
+    try:
+        trainer.run()
+    finally:
+        from . import parallel
+
+        parallel.destroy_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Trainer arguments: Megatron-LM's parser and validation, plus the plugin's and the trainer's flags.
+
+Every configuration is checked here, before any process group exists; each problem is one
+`TrainerConfigError` whose message names the flags and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sys
+
+from .schedule import ScheduleError, build
+from .schedule.ir import SCHEDULE_NAMES
+
+SUPPORTED_MEGATRON_CORE = ((0, 19),)
+DEFAULT_MOCK_VOCAB = 1024
+
+
+class TrainerConfigError(ValueError):
+    """A bad trainer configuration; the message names the flags and the fix."""
+
+
+def _iteration_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated iteration numbers, got {text!r}") from None
+
+
+def trainer_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The plugin's flags (as in the Megatron-LM integration) with trainer defaults, plus trainer-only flags."""
+    from .megatron.flags import add_arguments
+
+    add_arguments(parser)
+    # The trainer always runs our runtime (no stock schedule to fall back to) and our sharded optimizer.
+    parser._option_string_actions["--pipeline-schedule"].choices = SCHEDULE_NAMES
+    parser.set_defaults(pipeline_schedule="breadth-first", zero_stage=1)
+    g = parser.add_argument_group(title="megatron_bfpp trainer")
+    g.add_argument("--report-json", metavar="PATH", default=None,
+                   help="write losses, iteration times, throughput, communication and memory per rank, measured "
+                        "bubble and the simulator's prediction to PATH")
+    g.add_argument("--timeline-iterations", type=_iteration_list, default=[],
+                   help="iterations recorded by --timeline (comma-separated; default: the last)")
+    g.add_argument("--distributed-timeout-seconds", type=float, default=None,
+                   help="overrides --distributed-timeout-minutes with a seconds-level bound (tests, debugging)")
+    return parser
+
+
+def _megatron_core_version() -> tuple[int, int]:
+    import megatron.core
+
+    version = getattr(megatron.core, "__version__", "0.0")
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return major, minor
+
+
+def check_version() -> None:
+    v = _megatron_core_version()
+    if v not in SUPPORTED_MEGATRON_CORE:
+        supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_MEGATRON_CORE)
+        raise TrainerConfigError(
+            f"megatron-core {v[0]}.{v[1]} is not supported (supported: {supported}): "
+            "pip install 'megatron-core==0.19.2' (see requirements.txt)"
+        )
+
+
+def _vp_size(a: argparse.Namespace, pp: int) -> int:
+    if a.num_virtual_stages_per_pipeline_rank:
+        return a.num_virtual_stages_per_pipeline_rank
+    lpvs = a.num_layers_per_virtual_pipeline_stage
+    if not lpvs:
+        return 1
+    if a.num_layers % (pp * lpvs):
+        raise TrainerConfigError(
+            f"--num-layers {a.num_layers} must be divisible by --pipeline-model-parallel-size {pp} x "
+            f"--num-layers-per-virtual-pipeline-stage {lpvs}: change one of them"
+        )
+    return a.num_layers // (pp * lpvs)
+
+
+def check_trainer_args(a: argparse.Namespace, world_size: int) -> None:
+    """All checks that need no process group. Sets a.virtual_pipeline_model_parallel_size on success."""
+    check_version()
+    pp, tp = a.pipeline_model_parallel_size, a.tensor_model_parallel_size
+    if pp < 1 or tp < 1:
+        raise TrainerConfigError("--pipeline-model-parallel-size and --tensor-model-parallel-size must be >= 1")
+    if tp != 1:
+        raise TrainerConfigError("--tensor-model-parallel-size > 1 is not supported by the trainer yet: use 1 "
+                                 "(run tensor parallelism through Megatron-LM with megatron_bfpp.megatron)")
+    if getattr(a, "context_parallel_size", 1) != 1:
+        raise TrainerConfigError("--context-parallel-size > 1 is not supported by the trainer: use 1")
+    if world_size % (pp * tp):
+        raise TrainerConfigError(
+            f"world size {world_size} (--nproc-per-node x nodes) must be a multiple of "
+            f"--pipeline-model-parallel-size {pp} x --tensor-model-parallel-size {tp}"
+        )
+    dp = world_size // (pp * tp)
+    for flag, value in (("--num-layers", a.num_layers), ("--hidden-size", a.hidden_size),
+                        ("--num-attention-heads", a.num_attention_heads), ("--seq-length", a.seq_length),
+                        ("--micro-batch-size", a.micro_batch_size), ("--train-iters", a.train_iters)):
+        if value is None or value < 1:
+            raise TrainerConfigError(f"{flag} must be set to a positive integer (got {value})")
+    if a.hidden_size % a.num_attention_heads:
+        raise TrainerConfigError(f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads "
+                                 f"{a.num_attention_heads}")
+    if a.num_attention_heads % tp:
+        raise TrainerConfigError(f"--num-attention-heads {a.num_attention_heads} must be divisible by "
+                                 f"--tensor-model-parallel-size {tp}")
+    if a.max_position_embeddings is not None and a.seq_length > a.max_position_embeddings:
+        raise TrainerConfigError(f"--seq-length {a.seq_length} exceeds --max-position-embeddings "
+                                 f"{a.max_position_embeddings}: raise the latter")
+    vp = _vp_size(a, pp)
+    if a.num_layers % (pp * vp):
+        raise TrainerConfigError(f"--num-layers {a.num_layers} must be divisible by --pipeline-model-parallel-size "
+                                 f"{pp} x virtual stages {vp}")
+    gbs = a.global_batch_size or a.micro_batch_size * dp
+    if gbs % (a.micro_batch_size * dp):
+        raise TrainerConfigError(
+            f"--global-batch-size {gbs} must be a multiple of --micro-batch-size {a.micro_batch_size} x "
+            f"data-parallel size {dp} (world {world_size} / P {pp} / T {tp})"
+        )
+    m = gbs // (a.micro_batch_size * dp)
+    try:
+        build(a.pipeline_schedule, pp, vp, m, a.microbatch_group_size_per_vp_stage
+              if a.pipeline_schedule in ("interleaved-1f1b", "breadth-first") else None)
+    except ScheduleError as e:
+        raise TrainerConfigError(f"{_megatron_flag_names(str(e))} (M = {m} micro-batches per step = "
+                                 f"--global-batch-size / (--micro-batch-size x data-parallel size))") from None
+    if a.fp16 and a.bf16:
+        raise TrainerConfigError("--fp16 and --bf16 are exclusive: choose one")
+    if a.fp16 and a.loss_scale is not None and a.loss_scale <= 1.0:
+        raise TrainerConfigError("--fp16 needs loss scaling: drop --loss-scale (dynamic scaling) or set it > 1")
+    if a.use_distributed_optimizer:
+        raise TrainerConfigError("--use-distributed-optimizer: the trainer's --zero-stage 1 is the sharded "
+                                 "(distributed) optimizer already: drop the flag")
+    if a.bfpp_weight_buffers is not None and a.zero_stage != 3:
+        raise TrainerConfigError("--bfpp-weight-buffers applies to --zero-stage 3 only: drop it or use --zero-stage 3")
+    if a.bfpp_grad_buffers is not None and a.zero_stage not in (2, 3):
+        raise TrainerConfigError("--bfpp-grad-buffers applies to --zero-stage 2 and 3 only")
+    if a.data_path:
+        for prefix in (p for p in a.data_path if not _is_number(p)):
+            for ext in (".bin", ".idx"):
+                if not os.path.exists(prefix + ext):
+                    raise TrainerConfigError(
+                        f"--data-path {prefix}: {prefix + ext} does not exist; build it with "
+                        f"scripts/text_to_megatron.py INPUT.txt {prefix}, or use --mock-data"
+                    )
+    for it in a.timeline_iterations:
+        if not 1 <= it <= a.train_iters:
+            raise TrainerConfigError(f"--timeline-iterations {it} outside [1, --train-iters {a.train_iters}]")
+    if a.timeline_iterations and not a.timeline:
+        raise TrainerConfigError("--timeline-iterations needs --timeline PATH")
+    a.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
+    a.global_batch_size = gbs
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def _megatron_flag_names(text: str) -> str:
+    return (text.replace("--schedule (--pipeline-schedule)", "--pipeline-schedule")
+            .replace("--group-size (--microbatch-group-size-per-virtual-pipeline-stage)",
+                     "--microbatch-group-size-per-virtual-pipeline-stage")
+            .replace("--group-size", "--microbatch-group-size-per-virtual-pipeline-stage")
+            .replace("set --vp (or --num-layers-per-virtual-pipeline-stage)",
+                     "set --num-layers-per-virtual-pipeline-stage")
+            .replace("--pp (--pipeline-model-parallel-size)", "--pipeline-model-parallel-size"))
+
+
+def parse_trainer_args(argv: list[str], world_size: int | None = None) -> argparse.Namespace:
+    """Parse with Megatron-LM's parser, check (no process group needed), then run Megatron's validate_args."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    saved = sys.argv
+    try:
+        sys.argv = ["megatron_bfpp.train", *argv]
+        args = parse_args(extra_args_provider=trainer_args_provider)
+    finally:
+        sys.argv = saved
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer"
+    if not args.data_path:
+        args.mock_data = True
+    if args.vocab_size is None:
+        args.vocab_size = DEFAULT_MOCK_VOCAB if not args.data_path else 256
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    args.transformer_impl = "local"
+    check_trainer_args(args, world_size)
+    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    os.environ.setdefault("RANK", "0")
+    quiet = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(quiet):  # Megatron prints every argument
+            validate_args(args)
+    except AssertionError as e:
+        raise TrainerConfigError(f"Megatron-LM rejected the arguments: {e}") from None
+    divisible = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    args.padded_vocab_size = -(-args.vocab_size // divisible) * divisible
+    args.virtual_pipeline_model_parallel_size = (args.virtual_pipeline_model_parallel_size
+                                                 if (args.virtual_pipeline_model_parallel_size or 1) > 1 else None)
+    return args
