@@ -99,7 +99,8 @@ def config_from_args(args: argparse.Namespace, model: GPTModel) -> Config:
         if v < 1:
             raise _Error(f"{flag} must be >= 1 (got {v})")
     if n % (t * p):
-        raise _Error(f"--gpus {n} is not a multiple of T*P = {t}*{p}: the data-parallel size D = N/(T*P) must be whole")
+        raise _Error(f"--gpus {n} is not a multiple of --tensor-model-parallel-size {t} x "
+                     f"--pipeline-model-parallel-size {p}: the data-parallel size D = N/(T*P) must be whole")
     d = n // (t * p)
     if bsz % (d * b):
         raise _Error(f"--global-batch-size {bsz} is not a multiple of D*b = {d}*{b}: choose B = D * b * M")

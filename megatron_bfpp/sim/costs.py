@@ -298,9 +298,10 @@ def memory_breakdown(part: Partition, cfg: Config, rank: int, activations: float
     """Bytes per category on one GPU of pipeline rank `rank` (`activations` from `peak_activation_bytes`)."""
     phi = part.rank_params(rank)
     stages = [rank + c * cfg.pp for c in range(cfg.vp)]
-    biggest = max(part.stage_params(s) for s in stages)
+    sizes = sorted((part.stage_params(s) for s in stages), reverse=True)
     d, z = cfg.dp, cfg.zero_stage
-    nw, ng = min(cfg.weight_buffers, cfg.vp), min(cfg.grad_buffers, cfg.vp)
+    wbuf = sum(sizes[: cfg.weight_buffers])  # buffers sized for the largest stages they may hold
+    gbuf = sum(sizes[: cfg.grad_buffers])
     mem = {"weights": 0.0, "weight_buffers": 0.0, "gradients": 0.0, "grad_buffers": 0.0, "optimizer": 0.0}
     if z == 0:
         mem.update(weights=PARAM_BYTES * phi, gradients=GRAD_BYTES * phi, optimizer=12 * phi)
@@ -308,10 +309,10 @@ def memory_breakdown(part: Partition, cfg: Config, rank: int, activations: float
         mem.update(weights=PARAM_BYTES * phi, gradients=GRAD_BYTES * phi, optimizer=12 * phi / d)
     elif z == 2:
         mem.update(weights=PARAM_BYTES * phi, gradients=GRAD_BYTES * phi / d, optimizer=12 * phi / d,
-                   grad_buffers=ng * GRAD_BYTES * biggest)
+                   grad_buffers=GRAD_BYTES * gbuf)
     elif z == 3:
-        mem.update(weights=PARAM_BYTES * phi / d, weight_buffers=nw * PARAM_BYTES * biggest,
-                   gradients=GRAD_BYTES * phi / d, grad_buffers=ng * GRAD_BYTES * biggest, optimizer=12 * phi / d)
+        mem.update(weights=PARAM_BYTES * phi / d, weight_buffers=PARAM_BYTES * wbuf,
+                   gradients=GRAD_BYTES * phi / d, grad_buffers=GRAD_BYTES * gbuf, optimizer=12 * phi / d)
     else:
         raise ValueError(f"--zero-stage must be 0, 1, 2 or 3 (got {z})")
     mem["activations"] = activations

@@ -24,7 +24,8 @@ which the simulation models in steady state by issuing it at the start of the st
 Time accounting per rank: every instant of the step is compute, bubble (waiting for another rank's compute),
 exposed p2p (waiting on a transfer or blocked by a send), exposed dp (waiting on a collective or a buffer) or
 optimizer. A wait is charged to the dependency that ends it; a wait on a receive counts as bubble until the
-producing compute ended and as p2p after. `bubble_fraction` is bubble / compute (the (P-1)/(V*M) convention).
+producing compute ended and as p2p after. At the end of the step, idling until the last rank's compute ends
+is bubble, and the time outstanding reductions add after that is exposed dp. `bubble_fraction` is bubble / compute (the (P-1)/(V*M) convention).
 """
 
 from __future__ import annotations
@@ -311,10 +312,11 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
         post_sync = max(sum(costs.param_sync[s] for s in sched.stages_of(r)) for r in range(pp))
     step = sync_point + opt + post_sync
     for st in ranks:
-        ce, de = st.compute_free, max(st.compute_free, st.dp_free)
-        st.acct[_DP] += de - ce
-        st.acct[_BUBBLE] += max(de, pipeline_end) - de
-        st.acct[_DP] += sync_point - max(de, pipeline_end) + post_sync
+        # Until the last rank's compute ends a rank is draining the pipeline (its own outstanding reductions
+        # are hidden behind that); what the reductions add after it is exposed data-parallel time.
+        ce = st.compute_free
+        st.acct[_BUBBLE] += pipeline_end - ce
+        st.acct[_DP] += sync_point - pipeline_end + post_sync
         if rec:
             if sync_point > ce:
                 ev(st.r, "dp", "wait REDUCE", "WAIT", None, None, ce, sync_point)
