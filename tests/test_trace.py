@@ -233,6 +233,15 @@ def test_draw_schedule_from_bfpp_schedule(tmp_path):
     assert rc == 2 and "--t-forward and --t-backward must be > 0" in err
 
 
+def test_titles_from_each_config_convention():
+    from megatron_bfpp.trace.inputs import describe_config
+    ours = {"schedule": "breadth-first", "pp": 4, "vp": 2, "microbatches": 8, "dp": 2, "zero_stage": 3}
+    megatron = {"pipeline_schedule": "breadth-first", "pipeline_model_parallel_size": 4,
+                "virtual_pipeline_model_parallel_size": 2, "num_micro_batches": 8, "data_parallel_size": 2,
+                "zero_stage": 3}
+    assert describe_config(ours) == describe_config(megatron) == "breadth-first P=4 V=2 M=8 D=2 ZeRO-3"
+
+
 def test_bar_styles_distinguish_kinds():
     from megatron_bfpp.trace.draw import bar_style, microbatch_colours
     colours = dict(enumerate(microbatch_colours(3)))

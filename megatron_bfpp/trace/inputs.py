@@ -30,12 +30,14 @@ class Timeline:
 
 
 def describe_config(cfg: dict) -> str:
-    """'breadth-first P=4 V=2 M=8 D=2 ZeRO-3' from whatever of those keys a config dict has."""
-    parts = [str(cfg[k]) for k in ("schedule", "name") if cfg.get(k)][:1]
-    for label, keys in (("P", ("pp", "pipeline_model_parallel_size")),
+    """'breadth-first T=8 P=4 V=2 M=8 D=2 ZeRO-3' from whatever of those keys a config dict has (the names of
+    `bfpp schedule`, the trainer's report and Megatron's flags are all recognised)."""
+    parts = [str(cfg[k]) for k in ("schedule", "pipeline_schedule", "name") if cfg.get(k)][:1]
+    for label, keys in (("T", ("tp", "tensor_model_parallel_size")), ("P", ("pp", "pipeline_model_parallel_size")),
                         ("V", ("vp", "virtual_pipeline_model_parallel_size")),
-                        ("M", ("microbatches", "num_microbatches")), ("D", ("dp", "data_parallel_size")),
-                        ("G", ("group_size",))):
+                        ("M", ("microbatches", "num_microbatches", "num_micro_batches")),
+                        ("D", ("dp", "data_parallel_size")),
+                        ("G", ("group_size", "microbatch_group_size_per_vp_stage"))):
         v = next((cfg[k] for k in keys if cfg.get(k) is not None), None)
         if v is not None:
             parts.append(f"{label}={v}")
