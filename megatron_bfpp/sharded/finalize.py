@@ -1,0 +1,113 @@
+"""`finalize_model_grads` for `ShardedDataParallel` chunks, with Megatron's signature.
+
+The runtime calls `config.finalize_model_grads_func` once after a training schedule run. Here it:
+1. finishes data-parallel reduction: any gradient not reduced yet is reduce-scattered, every outstanding
+   reduce is waited for, and replicated (tied) parameters' gradients are averaged over data parallelism;
+2. sums over tensor-parallel ranks the gradients Megatron sums there (sequence-parallel and qk-layernorm
+   parameters; `average_gradients_across_tp_domain` ones are averaged), on the gradient shards;
+3. sums tied-embedding gradients over the embedding group (first and last pipeline stage);
+4. divides by the global number of tokens when `num_tokens` is given (per-token loss).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from . import comm
+from .ddp import ShardedDataParallel
+
+
+def finalize_model_grads(
+    model: Sequence[torch.nn.Module],
+    num_tokens: torch.Tensor | None = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool | None = False,
+) -> None:
+    chunks = list(model)
+    if not all(isinstance(c, ShardedDataParallel) for c in chunks):
+        if any(isinstance(c, ShardedDataParallel) for c in chunks):
+            raise TypeError("finalize_model_grads: either all model chunks are ShardedDataParallel or none")
+        from megatron.core.distributed import finalize_model_grads as megatron_finalize
+
+        return megatron_finalize(model, num_tokens=num_tokens, pg_collection=pg_collection,
+                                 force_all_reduce=force_all_reduce)
+    first = chunks[0]
+    tp_group, pp_group, embd_group, dp_group = first.tp_group, first.pp_group, first.embd_group, first.dp_group
+    if pg_collection is not None:
+        tp_group = getattr(pg_collection, "tp", None) or tp_group
+        pp_group = getattr(pg_collection, "pp", None) or pp_group
+        embd_group = getattr(pg_collection, "embd", None) if hasattr(pg_collection, "embd") else embd_group
+        dp_group = getattr(pg_collection, "dp_cp", None) or dp_group
+
+    for c in chunks:
+        c.finish_grad_sync(force_all_reduce=force_all_reduce)
+    _allreduce_tensor_parallel_replicated_grads(chunks, tp_group)
+    _allreduce_tied_embedding_grads(chunks, embd_group)
+
+    if num_tokens is not None:
+        if pp_group is not None and comm.group_size(pp_group) > 1:
+            from megatron.core.pipeline_parallel.utils import get_pp_last_rank
+
+            dist.broadcast(num_tokens, src=get_pp_last_rank(pp_group), group=pp_group)
+        if comm.group_size(dp_group) > 1:
+            dist.all_reduce(num_tokens, group=dp_group)
+        scaling = 1.0 / torch.clamp(num_tokens, min=1)
+        for c in chunks:
+            c.scale_gradients(scaling)
+
+
+def _needs_tp_reduction(param: torch.nn.Parameter, name: str, config: Any) -> str | None:
+    """'sum' / 'avg' / None, exactly as Megatron's _allreduce_non_tensor_model_parallel_grads decides."""
+    if getattr(param, "average_gradients_across_tp_domain", False):
+        return "avg"
+    if (getattr(config, "sequence_parallel", False) and getattr(param, "sequence_parallel", False)) or (
+        getattr(config, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name)
+    ):
+        return "sum"
+    return None
+
+
+def _allreduce_tensor_parallel_replicated_grads(chunks: Sequence[ShardedDataParallel], tp_group) -> None:
+    """Every TP rank has the same buffer layout, so the shard slices of these parameters line up."""
+    n = comm.group_size(tp_group)
+    if n <= 1:
+        return
+    grads: dict[str, list[torch.Tensor]] = {"sum": [], "avg": []}
+    for c in chunks:
+        for b in c.flat_buffers:
+            for piece in b.pbuf.layout.pieces(c.dp_rank):
+                p = b.pbuf.params[piece.slot.index]
+                kind = _needs_tp_reduction(p, c.param_names[p], c.config)
+                if kind:
+                    grads[kind].append(b.gbuf.main_grad_shard[piece.shard_lo : piece.shard_hi])
+        for p in c.owned_replicated_params:
+            kind = _needs_tp_reduction(p, c.param_names[p], c.config)
+            if kind:
+                grads[kind].append(p.main_grad)
+    for kind, gs in grads.items():
+        if not gs:
+            continue
+        flat = _flatten_dense_tensors(gs)
+        dist.all_reduce(flat, group=tp_group)
+        if kind == "avg":
+            flat.div_(n)
+        for g, synced in zip(gs, _unflatten_dense_tensors(flat, gs)):
+            g.copy_(synced)
+
+
+def _allreduce_tied_embedding_grads(chunks: Sequence[ShardedDataParallel], embd_group) -> None:
+    if embd_group is None or comm.group_size(embd_group) <= 1:
+        return
+    if dist.get_rank() not in dist.get_process_group_ranks(embd_group):
+        return
+    grads = [p.main_grad for c in chunks for p in c.owned_replicated_params if getattr(p, "shared_embedding", False)]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=embd_group)
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
