@@ -1,0 +1,190 @@
+"""Reproduce the comparison of the breadth-first paper with the simulator: a 52B GPT on a DGX A100 cluster,
+throughput per GPU against batch size per GPU, each method at its best planned configuration.
+
+Methods (each searched by `megatron_bfpp.sim.plan` over T, P, V, D, b, group size and recomputation):
+- breadth-first + ZeRO-3 (this package: schedule-placed gathers / reduce-scatters, overlapped);
+- non-looped 1F1B (Megatron's default schedule, DDP or distributed optimizer, overlapped);
+- Megatron-LM as in 2022: interleaved 1F1B with its default group size P, DDP or distributed optimizer,
+  data-parallel communication not overlapped with compute and blocking p2p;
+- Megatron today: interleaved 1F1B with a tunable micro-batch group size, distributed optimizer with
+  overlapped gradient reduce-scatter and parameter all-gather.
+
+Writes docs/paper_reproduction.csv and docs/paper_reproduction.png and prints markdown tables.
+Run: python bench/paper_reproduction.py [--gpus 512] [--batch-per-gpu 0.0625 0.125 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+
+from megatron_bfpp.sim import SearchSpace, get_hardware, get_model, plan
+from megatron_bfpp.sim.predict import Prediction, config_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+
+METHODS: dict[str, tuple[str, SearchSpace]] = {
+    "bf_zero3": ("breadth-first + ZeRO-3",
+                 SearchSpace(schedules=("breadth-first",), zero_stages=(3,))),
+    "1f1b": ("non-looped 1F1B",
+             SearchSpace(schedules=("1f1b",), zero_stages=(0, 1))),
+    "megatron_2022": ("Megatron 2022 (interleaved, no overlap)",
+                      SearchSpace(schedules=("interleaved-1f1b",), zero_stages=(0, 1), dp_overlap=False,
+                                  p2p_overlap=False, search_group_size=False)),
+    "megatron_today": ("Megatron today (interleaved + group size, dist. optimizer, overlap)",
+                       SearchSpace(schedules=("interleaved-1f1b",), zero_stages=(1,))),
+}
+BASELINES = ("megatron_2022", "megatron_today", "1f1b")
+
+FIELDS = ["method", "batch_per_gpu", "global_batch_size", "feasible", "tflops_per_gpu", "mfu", "step_time_s",
+          "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+          "data_parallel_size", "micro_batch_size", "num_micro_batches", "microbatch_group_size_per_vp_stage",
+          "zero_stage", "recompute", "bubble_fraction", "compute_s", "exposed_pp_s", "exposed_dp_s", "optimizer_s",
+          "peak_memory_gib", "why_infeasible", "bf_speedup"]
+
+
+def run(model_name: str, hw_name: str, gpus: int, betas: list[Fraction]) -> list[dict]:
+    model, hw = get_model(model_name), get_hardware(hw_name)
+    rows = []
+    for beta in betas:
+        batch = beta * gpus
+        if batch.denominator != 1:
+            raise SystemExit(f"--batch-per-gpu {beta} x --gpus {gpus} is not a whole global batch")
+        best: dict[str, Prediction | None] = {}
+        for key, (label, space) in METHODS.items():
+            t0 = time.time()
+            res = plan(model, hw, gpus, int(batch), space, top=1)
+            best[key] = res.candidates[0] if res.candidates else None
+            why = "" if res.candidates else (res.notes[0] if res.notes else "no configuration")
+            print(f"  beta={float(beta):g} {label}: {'%.1f TFLOP/s' % best[key].tflops_per_gpu if best[key] else why}"
+                  f" ({res.simulated} simulated, {time.time() - t0:.1f} s)", file=sys.stderr)
+            rows.append(_row(key, beta, int(batch), best[key], why))
+        bf = best["bf_zero3"]
+        for row in rows[-len(METHODS):]:
+            other = best[row["method"]]
+            row["bf_speedup"] = bf.tflops_per_gpu / other.tflops_per_gpu if bf and other else ""
+    return rows
+
+
+def _row(key: str, beta: Fraction, batch: int, p: Prediction | None, why: str) -> dict:
+    row = {k: "" for k in FIELDS}
+    row.update(method=key, batch_per_gpu=float(beta), global_batch_size=batch, feasible=p is not None,
+               why_infeasible=why)
+    if p is not None:
+        c = config_dict(p.config)
+        row.update({k: c[k] for k in FIELDS if k in c})
+        row.update(tflops_per_gpu=p.tflops_per_gpu, mfu=p.mfu, step_time_s=p.step_time_s,
+                   bubble_fraction=p.bubble_fraction, compute_s=p.compute_s, exposed_pp_s=p.exposed_pp_s,
+                   exposed_dp_s=p.exposed_dp_s, optimizer_s=p.optimizer_s, peak_memory_gib=p.peak_memory_gib)
+    return row
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def _fmt_beta(b: float) -> str:
+    fr = Fraction(b).limit_denominator(64)
+    return str(fr) if fr.denominator != 1 else str(fr.numerator)
+
+
+def markdown(rows: list[dict]) -> str:
+    betas = sorted({r["batch_per_gpu"] for r in rows})
+    by = {(r["method"], r["batch_per_gpu"]): r for r in rows}
+    lines = ["| batch/GPU | global batch | " + " | ".join(METHODS[k][0] for k in METHODS) +
+             " | BF vs 2022 | BF vs today | BF vs 1F1B |",
+             "|" + "---|" * (2 + len(METHODS) + 3)]
+    for b in betas:
+        cells = [_fmt_beta(b), str(by[("bf_zero3", b)]["global_batch_size"])]
+        for k in METHODS:
+            r = by[(k, b)]
+            cells.append(f"{r['tflops_per_gpu']:.0f}" if r["feasible"] else "infeasible")
+        for k in BASELINES:
+            s = by[(k, b)]["bf_speedup"]
+            cells.append(f"{(s - 1) * 100:+.0f}%" if s != "" else ("only BF runs" if by[("bf_zero3", b)]["feasible"]
+                                                                  else "-"))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Chosen configurations (T/P/V/D, b x M, group size, ZeRO, recompute) and where the time goes "
+                  "(bubble as a fraction of compute; exposed p2p / data-parallel seconds per step; peak GiB):", "",
+              "| batch/GPU | method | TFLOP/s | T/P/V/D | b x M | G | ZeRO | rc | bubble | exp. p2p s | exp. dp s | "
+              "step s | GiB |", "|" + "---|" * 13]
+    for b in betas:
+        for k in METHODS:
+            r = by[(k, b)]
+            if not r["feasible"]:
+                lines.append(f"| {_fmt_beta(b)} | {METHODS[k][0]} | - | - | - | - | - | - | - | - | - | - | - |")
+                continue
+            g = r["microbatch_group_size_per_vp_stage"]
+            lines.append(
+                f"| {_fmt_beta(b)} | {METHODS[k][0]} | {r['tflops_per_gpu']:.0f} | "
+                f"{r['tensor_model_parallel_size']}/{r['pipeline_model_parallel_size']}/"
+                f"{r['virtual_pipeline_model_parallel_size']}/{r['data_parallel_size']} | "
+                f"{r['micro_batch_size']} x {r['num_micro_batches']} | {g if g not in (None, '') else '-'} | "
+                f"{r['zero_stage']} | {'y' if r['recompute'] else 'n'} | {r['bubble_fraction']:.3f} | "
+                f"{r['exposed_pp_s']:.3f} | {r['exposed_dp_s']:.3f} | {r['step_time_s']:.3f} | "
+                f"{r['peak_memory_gib']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = {"bf_zero3": ("C0", "o", "-"), "1f1b": ("C2", "^", "--"), "megatron_2022": ("C3", "s", ":"),
+              "megatron_today": ("C1", "D", "-.")}
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for k, (label, _) in METHODS.items():
+        pts = sorted((r["batch_per_gpu"], r) for r in rows if r["method"] == k and r["feasible"])
+        if not pts:
+            continue
+        c, m, ls = styles[k]
+        ax.plot([p[0] for p in pts], [p[1]["tflops_per_gpu"] for p in pts], marker=m, color=c, ls=ls, label=label)
+        ax2.plot([p[0] for p in pts], [p[1]["peak_memory_gib"] for p in pts], marker=m, color=c, ls=ls, label=label)
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("batch size per GPU (sequences)")
+        a.grid(True, which="both", alpha=0.3)
+        ticks = sorted({r["batch_per_gpu"] for r in rows})
+        a.set_xticks(ticks)
+        a.set_xticklabels([_fmt_beta(t) for t in ticks])
+    ax.set_ylabel("throughput per GPU (model TFLOP/s)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="lower right")
+    ax2.set_ylabel("peak memory of the chosen configuration (GiB)")
+    ax2.set_title("memory at the best configuration")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt-52b")
+    p.add_argument("--hardware", default="dgx-a100")
+    p.add_argument("--gpus", type=int, default=512, help="cluster size (default 512 = 64 DGX A100 nodes)")
+    p.add_argument("--batch-per-gpu", type=Fraction, nargs="+",
+                   default=[Fraction(1, 16), Fraction(1, 8), Fraction(1, 4), Fraction(1, 2), Fraction(1), Fraction(2),
+                            Fraction(4)])
+    p.add_argument("--csv", type=Path, default=ROOT / "docs" / "paper_reproduction.csv")
+    p.add_argument("--png", type=Path, default=ROOT / "docs" / "paper_reproduction.png")
+    args = p.parse_args(argv)
+    rows = run(args.model, args.hardware, args.gpus, args.batch_per_gpu)
+    write_csv(rows, args.csv)
+    plot(rows, args.png, f"{args.model} on {args.gpus} x {args.hardware} (simulated)")
+    print(markdown(rows))
+    print(f"\nwrote {args.csv} and {args.png}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
