@@ -69,7 +69,9 @@ class Trainer:
 
     def _build_model_and_optimizer(self):
         from . import model as model_lib
-        from .sharded import ShardedDataParallel, ShardedOptimizer, finalize_model_grads
+        from .sharded.ddp import ShardedDataParallel
+        from .sharded.finalize import finalize_model_grads
+        from .sharded.optimizer import ShardedOptimizer
 
         a = self.args
         dtype = "bf16" if a.bf16 else "fp16" if a.fp16 else "fp32"
@@ -78,7 +80,7 @@ class Trainer:
             ffn_hidden_size=a.ffn_hidden_size, num_query_groups=a.num_query_groups if a.group_query_attention else None,
             kv_channels=a.kv_channels, hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
             params_dtype=dtype, init_method_std=a.init_method_std, normalization=a.normalization,
-            layernorm_epsilon=a.norm_epsilon, add_bias_linear=a.add_bias_linear,
+            layernorm_epsilon=a.layernorm_epsilon, add_bias_linear=a.add_bias_linear,
             recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
             recompute_num_layers=a.recompute_num_layers, pipeline_model_parallel_size=self.pp,
             virtual_pipeline_model_parallel_size=self.vp if self.vp > 1 else None,
@@ -90,15 +92,13 @@ class Trainer:
             share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights, seed=a.seed,
             device=self.device, position_embedding_type=a.position_embedding_type,
         )
-        wrapped = [ShardedDataParallel(config, None, c, zero_stage=a.zero_stage) for c in chunks]
+        from megatron.training.training import get_megatron_ddp_config, get_megatron_optimizer_config
+
+        ddp_config = get_megatron_ddp_config(a)
+        wrapped = [ShardedDataParallel(config, ddp_config, c, zero_stage=a.zero_stage) for c in chunks]
         config.finalize_model_grads_func = finalize_model_grads
-        optimizer = ShardedOptimizer(
-            wrapped, lr=a.lr, weight_decay=a.weight_decay, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps,
-            clip_grad=a.clip_grad, loss_scale=a.loss_scale, initial_loss_scale=a.initial_loss_scale,
-            min_loss_scale=a.min_loss_scale, loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
-        )
-        if a.fp16 or a.bf16:
-            config.grad_scale_func = optimizer.scale_loss
+        optimizer = ShardedOptimizer(wrapped, get_megatron_optimizer_config(a)[0])
+        config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's setup_model_and_optimizer
         return config, wrapped, optimizer
 
     def _build_lr_scheduler(self):
@@ -257,23 +257,26 @@ class Trainer:
         return report
 
     def _comm_stats(self) -> dict:
-        stats = {k: 0 for k in ("dp_allgather_calls", "dp_allgather_bytes", "dp_reduce_scatter_calls",
-                                "dp_reduce_scatter_bytes", "dp_allreduce_calls", "dp_allreduce_bytes")}
-        stats.update(self.optimizer.comm_stats())
-        from .runtime.forward_backward import _state
+        from .runtime.forward_backward import last_run_stats
+        from .sharded.driver import link_stats
 
-        stats["pp_send_bytes"] = sum(p.last_step_sent_bytes for p in _state["p2p"].values())
+        stats = link_stats(self.model).comm_stats()
+        stats["pp_send_bytes"] = last_run_stats().get("pp_send_bytes", 0)
         stats["rank"] = self.rank
         return stats
 
     def _memory_stats(self, recorder) -> dict:
-        mem = dict(self.optimizer.memory_stats())
+        from .runtime.forward_backward import last_run_stats
+        from .sharded.driver import memory_stats
+
+        mem: dict[str, Any] = dict(memory_stats(self.model, self.optimizer))
         mem["rank"] = self.rank
+        mem["peak_activation_bytes"] = last_run_stats().get("peak_activation_bytes", 0)
         if self.device.type == "cuda":
             mem["peak_bytes"] = torch.cuda.max_memory_allocated()
-        else:
-            mem["peak_bytes"] = int(mem.get("param_bytes", 0) + mem.get("grad_bytes", 0)
-                                    + mem.get("optimizer_bytes", 0) + mem.get("peak_activation_bytes", 0))
+        else:  # what the runtime holds: resident model state, gathered weights, saved activations
+            mem["peak_bytes"] = int(mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_bytes"]
+                                    + mem["peak_gathered_param_bytes"] + mem["peak_activation_bytes"])
         return mem
 
     def _prediction(self) -> dict | None:

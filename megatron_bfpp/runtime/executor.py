@@ -76,6 +76,11 @@ class ScheduleExecutor:
         self.receives: dict[Action, PendingTransfer] = {}
         self.sends: dict[Action, PendingTransfer] = {}
         self.step = 0
+        # Bytes saved for backward per (stage, microbatch), measured through autograd's saved-tensor hooks
+        # (parameters excluded): what the schedule keeps alive between an F and its B.
+        self.saved_bytes: dict[tuple[int, int], int] = {}
+        self.activation_bytes = 0
+        self.peak_activation_bytes = 0
         self._recv_positions = [i for i, a in enumerate(self.actions) if a.op in (Op.RECV_F, Op.RECV_B)]
         self._next_recv = 0
         compute = [i for i, a in enumerate(self.actions) if a.op in (Op.F, Op.B)]
@@ -208,11 +213,27 @@ class ScheduleExecutor:
             self._wait(pending, recv, "receive activation")
             input_tensor = pending.tensor.requires_grad_(not self.forward_only)
         is_first = check_first_val_step(self.first_val_step, self.forward_only, m == 0)
-        output, num_tokens = forward_step(
-            self.forward_step_func, self.data_iterators[chunk], self.model[chunk], self.schedule.microbatches,
-            input_tensor, self.forward_data_store, self.config, 1, self.collect_non_loss_data, None, is_first,
-            current_microbatch=m, vp_stage=chunk, is_last_stage=(s == self.last_stage),
-        )
+        seen: set[int] = set()
+        counted = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if not (t.is_leaf and t.requires_grad):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in seen:
+                    seen.add(ptr)
+                    counted[0] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output, num_tokens = forward_step(
+                self.forward_step_func, self.data_iterators[chunk], self.model[chunk], self.schedule.microbatches,
+                input_tensor, self.forward_data_store, self.config, 1, self.collect_non_loss_data, None, is_first,
+                current_microbatch=m, vp_stage=chunk, is_last_stage=(s == self.last_stage),
+            )
+        if not self.forward_only:
+            self.saved_bytes[(s, m)] = counted[0]
+            self.activation_bytes += counted[0]
+            self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
         self.total_num_tokens += num_tokens
         if s < self.last_stage and (self.forward_only or self.schedule.pp == 1):
             # Hand-off to the next stage (same rank) or to the send: a detached alias of the output.
@@ -245,6 +266,7 @@ class ScheduleExecutor:
         input_tensor = self.inputs.pop((s, m))
         output = self.outputs.pop((s, m))
         input_grad = backward_step(input_tensor, output, output_grad, self.config)
+        self.activation_bytes -= self.saved_bytes.pop((s, m), 0)
         if s > 0:
             self.input_grads[(s, m)] = input_grad
 

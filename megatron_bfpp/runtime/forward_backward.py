@@ -23,7 +23,8 @@ from .hooks import DataParallelDriver, MegatronConfigDriver
 from .p2p import PipelineP2P
 from .recorder import ActionRecorder
 
-_state: dict[str, Any] = {"recorder": None, "wait_timeout_s": None, "last_schedule": None, "p2p": {}}
+_state: dict[str, Any] = {"recorder": None, "wait_timeout_s": None, "last_schedule": None, "p2p": {},
+                          "last_run": {}}
 
 
 def set_recorder(recorder: ActionRecorder | None) -> None:
@@ -39,6 +40,11 @@ def set_wait_timeout(seconds: float | None) -> None:
 def last_schedule() -> Schedule | None:
     """The lowered schedule of the most recent call (for reports and tests)."""
     return _state["last_schedule"]
+
+
+def last_run_stats() -> dict:
+    """Of the most recent call: `pp_send_bytes` and `peak_activation_bytes` (saved for backward)."""
+    return dict(_state["last_run"])
 
 
 @functools.lru_cache(maxsize=64)
@@ -198,7 +204,10 @@ def get_forward_backward_func(
             collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step, recorder=recorder,
             wait_timeout_s=_state["wait_timeout_s"], global_rank=dist.get_rank() if dist.is_initialized() else 0,
         )
+        sent_before = p2p.sent_bytes
         store = executor.run()
+        _state["last_run"] = {"pp_send_bytes": p2p.sent_bytes - sent_before,
+                              "peak_activation_bytes": executor.peak_activation_bytes}
         if config.finalize_model_grads_func is not None and not forward_only:
             config.finalize_model_grads_func(
                 chunks,
