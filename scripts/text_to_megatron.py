@@ -62,6 +62,10 @@ def convert(input_path: str, output_prefix: str, vocab_size: int = DEFAULT_VOCAB
         docs = documents(f.read())
     if not docs:
         raise ValueError(f"{input_path}: no text found (documents are blank-line separated paragraphs)")
+    top = max(max(d.encode("utf-8")) for d in docs)
+    if top >= vocab_size - 1:  # checked over the whole text, so the suggested size is enough
+        raise ValueError(f"byte value {top} does not fit --vocab-size {vocab_size} (ids must stay below the "
+                         f"end-of-document id {vocab_size - 1}): use --vocab-size {top + 2} or more")
     encoded = [encode(d, vocab_size) for d in docs]
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
