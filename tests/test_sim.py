@@ -373,6 +373,36 @@ def test_cli_plan_json():
     assert [c["tflops_per_gpu"] for c in cands] == sorted((c["tflops_per_gpu"] for c in cands), reverse=True)
 
 
+def test_cli_group_size_and_trace(tmp_path):
+    trace = tmp_path / "sim.json"
+    out = _bfpp(*SIM, "--microbatch-group-size-per-virtual-pipeline-stage", "4", "--json", "--trace", str(trace))
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["config"]["microbatch_group_size_per_vp_stage"] == 4 and d["config"]["num_micro_batches"] == 8
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "F0:0" for e in events) and any(e.get("name", "").startswith("GATHER") for e in events)
+    bad = _bfpp(*SIM, "--microbatch-group-size-per-virtual-pipeline-stage", "9")
+    assert bad.returncode == 2 and "group-size" in bad.stderr
+
+
+def test_prediction_for_trainer_runs():
+    from types import SimpleNamespace
+
+    from megatron_bfpp.sim.predict import predict_for_trainer
+
+    args = SimpleNamespace(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+        data_parallel_size=2, world_size=4, global_batch_size=16, micro_batch_size=2, pipeline_schedule="breadth-first",
+        zero_stage=3, num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, padded_vocab_size=1024,
+        recompute_granularity=None, microbatch_group_size_per_vp_stage=None)
+    p = predict_for_trainer(args, [1.0, 0.5])
+    if "step_time_s" not in p:  # CPU: only what does not depend on the machine
+        assert p["bubble_fraction"] == pytest.approx(1 / (2 * 4))
+        assert p["dp_collectives"]["gather"] == [2, 2] and p["peak_activations"] == [8, 8]
+    args.num_layers = 5  # uneven stages: outside the cost model, reported instead of raised
+    assert "error" in predict_for_trainer(args, [])
+
+
 @pytest.mark.parametrize("args,flag", [
     (["--gpus", "250"], "--gpus"),
     (["--global-batch-size", "100"], "--global-batch-size"),

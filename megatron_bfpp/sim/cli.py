@@ -45,7 +45,8 @@ def simulate_parser() -> argparse.ArgumentParser:
                    help="layers per stage L; V = layers / (P * L) stages per rank (default: V = 1)")
     p.add_argument("--pipeline-schedule", choices=SCHEDULE_NAMES, default=None,
                    help="default: 1f1b when V = 1, interleaved-1f1b otherwise")
-    p.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None,
+    p.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                   dest="microbatch_group_size_per_vp_stage",
                    help="interleaved: Megatron's group size (default P); breadth-first: micro-batches per "
                         "breadth-first group (default M)")
     p.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=1,

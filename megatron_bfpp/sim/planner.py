@@ -236,9 +236,14 @@ def plan(model: GPTModel, hw: Hardware, gpus: int, global_batch: int, space: Sea
         fitting.sort(key=lambda x: -x.tflops_per_gpu)
     best = fitting[0].tflops_per_gpu if fitting else 0.0
     rejected.sort(key=lambda r: -r.tflops_upper_bound)
+    seen: set[str] = set()  # one entry per distinct reason (e.g. "M >= P" is the same for every ZeRO stage)
+    rejected = [r for r in rejected if not (r.reason in seen or seen.add(r.reason))]
     promising = [r for r in rejected if r.tflops_upper_bound > best][:top] or rejected[:top]
     notes = []
     if not fitting:
-        reasons = sorted({why for _, why in bad if why} | {r.reason.split(" (")[0] for r in rejected[:3]})
-        notes.append("no configuration fits: " + "; ".join(reasons[:5]))
+        # The most promising configurations' reasons first; layout-level reasons only when nothing got that far.
+        reasons = list(dict.fromkeys(r.reason for r in rejected))[:3]
+        if not reasons:
+            reasons = list(dict.fromkeys(why for _, why in bad))[:3]
+        notes.append("no configuration fits: " + "; ".join(reasons or ["the search space is empty"]))
     return PlanResult(fitting[:top], promising, len(configs), simulated, notes)

@@ -48,7 +48,7 @@ def check_config(model: GPTModel, hw: Hardware, cfg: Config) -> None:
         elif cfg.schedule == "breadth-first":
             check_breadth_first(cfg.pp, cfg.vp, cfg.microbatches, g)  # type: ignore[arg-type]
         elif cfg.group_size is not None:
-            raise ValueError(f"--microbatch-group-size-per-vp-stage does not apply to {cfg.schedule}: drop it")
+            raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage does not apply to {cfg.schedule}: drop it")
     except ScheduleError as e:
         raise ValueError(str(e)) from None
 
@@ -168,3 +168,80 @@ def _prediction(model: GPTModel, hw: Hardware, cfg: Config, sched: Schedule, res
         dp_collectives=res.dp_traffic,
         events=res.events,
     )
+
+
+# ---------------------------------------------------------------- the trainer's "predicted" report block
+
+_DEVICE_PROFILES = (("H200", "h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100"))
+
+
+def hardware_for_device() -> Hardware | None:
+    """The profile matching this process's CUDA device, if any (CPU runs have none)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        name = torch.cuda.get_device_name()
+    except Exception:  # no usable CUDA runtime: treat as CPU
+        return None
+    from .hardware import get_hardware
+
+    for key, profile in _DEVICE_PROFILES:
+        if key in name:
+            return get_hardware(profile)
+    return None
+
+
+def trainer_config(args) -> tuple[GPTModel, Config]:
+    """Model and configuration of a trainer run from its Megatron-style parsed arguments."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    dp = getattr(args, "data_parallel_size", None) or args.world_size // (tp * pp)
+    m = args.global_batch_size // (args.micro_batch_size * dp)
+    sched = getattr(args, "pipeline_schedule", "default") or "default"
+    if sched == "default":
+        sched = "1f1b" if vp == 1 else "interleaved-1f1b"
+    zero = getattr(args, "zero_stage", None)
+    if zero is None:
+        zero = 1 if getattr(args, "use_distributed_optimizer", False) else 0
+    model = GPTModel(
+        "trainer", args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
+        getattr(args, "padded_vocab_size", None) or args.vocab_size, getattr(args, "ffn_hidden_size", None),
+    )
+    cfg = Config(tp, pp, vp, dp, args.micro_batch_size, m, sched, zero,
+                 getattr(args, "recompute_granularity", None) == "full",
+                 getattr(args, "microbatch_group_size_per_vp_stage", None),
+                 weight_buffers=getattr(args, "bfpp_weight_buffers", None) or 2,
+                 grad_buffers=getattr(args, "bfpp_grad_buffers", None) or 2)
+    return model, cfg
+
+
+def predict_for_trainer(args, iteration_times: list[float] | None = None) -> dict | None:
+    """The simulator's numbers for a trainer run: a full prediction on a profiled GPU, otherwise what does not
+    depend on the machine (bubble under unit costs, collectives per step, kept activations per rank).
+    Never raises: a report must still be written when the configuration is outside the cost model."""
+    from ..schedule import peak_activations
+    from .costs import unit_costs
+
+    try:
+        model, cfg = trainer_config(args)
+        Partition(model, cfg.tp, cfg.pp, cfg.vp)  # equal stages, T dividing the heads
+        sched = schedule_for(cfg)
+        hw = hardware_for_device()
+        if hw is not None:
+            p = predict(model, hw, cfg)
+            out = {k: v for k, v in p.to_dict().items() if k not in ("per_rank",)}
+            out["tokens_per_s"] = cfg.global_batch_size * model.seq_length / p.step_time_s
+            out["basis"] = f"cost model for {hw.name}"
+            return out
+        res = simulate_schedule(sched, unit_costs(sched), record_events=False)
+        return {
+            "basis": "unit costs (t_F = 1, t_B = 2, free communication): no hardware profile for this device",
+            "config": config_dict(cfg),
+            "bubble_fraction": res.bubble_fraction,
+            "dp_collectives": res.dp_traffic,
+            "peak_activations": peak_activations(sched),
+        }
+    except Exception as e:  # outside the cost model (e.g. uneven stages): say why instead of failing the run
+        return {"error": f"no prediction: {e}"}
