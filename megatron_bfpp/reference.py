@@ -106,13 +106,20 @@ class ReferenceModel:
         return {name: p.detach().clone() for name, p in self.named.items()}
 
 
-def make_optimizer(params, name: str = "adam", lr: float = 1e-3, weight_decay: float = 0.0,
-                   betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> torch.optim.Optimizer:
-    """torch.optim.Adam ("adam", L2 weight decay) or AdamW ("adamw", decoupled decay as Megatron's Adam)."""
+def make_optimizer(named_params: dict[str, torch.nn.Parameter], name: str = "adam", lr: float = 1e-3,
+                   weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                   ) -> torch.optim.Optimizer:
+    """torch.optim.Adam ("adam", L2 weight decay) or AdamW ("adamw", decoupled decay as Megatron's Adam).
+
+    Like Megatron's default parameter groups, biases and 1-D parameters (norm scales) get no weight decay.
+    """
     cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}.get(name)
     if cls is None:
         raise ValueError(f"--optimizer {name!r} not supported by the reference: use adam or adamw")
-    return cls(list(params), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    no_wd = lambda n, p: p.dim() == 1 or n.endswith(".bias")  # noqa: E731
+    groups = [{"params": [p for n, p in named_params.items() if not no_wd(n, p)], "weight_decay": weight_decay},
+              {"params": [p for n, p in named_params.items() if no_wd(n, p)], "weight_decay": 0.0}]
+    return cls([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
 
 
 def run_reference(
@@ -137,7 +144,7 @@ def run_reference(
     keep_grads) gradients, and the final parameters, all by global name."""
     ref = ReferenceModel(config, vocab_size=vocab_size, max_sequence_length=max_sequence_length, seed=seed,
                          share_embeddings_and_output_weights=share_embeddings_and_output_weights, device=device)
-    opt = make_optimizer(ref.named.values(), optimizer, lr, weight_decay, betas, eps)
+    opt = make_optimizer(ref.named, optimizer, lr, weight_decay, betas, eps)
     run = ReferenceRun()
     for microbatches in iterations:
         ref.zero_grad()

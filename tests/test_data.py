@@ -192,8 +192,8 @@ def test_forward_step_reads_data_only_at_the_pipeline_ends():
 
 # -------------------------------------------------------------------------------------------- training text
 def test_reference_loss_falls_on_the_text(corpus):
-    (it,) = iterators(corpus, b=4, G=8, iters=12)
-    iterations = [data.global_batch_microbatches(it, 2) for _ in range(12)]
+    (it,) = iterators(corpus, b=4, G=8, iters=8)
+    iterations = [data.global_batch_microbatches(it, 2) for _ in range(8)]
     cfg = mm.make_transformer_config(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
                                      attention_dropout=0.0)
     run = run_reference(cfg, iterations, vocab_size=VOCAB, max_sequence_length=SEQ, seed=1, lr=1e-2,

@@ -290,13 +290,18 @@ def test_reference_normalises_like_megatron_schedules():
     assert whole.microbatch_losses == pytest.approx([p.lm_loss for p in parts], rel=1e-6)
 
 
-def test_reference_adam_steps_match_a_hand_rolled_loop():
+@pytest.mark.parametrize("opt_name,wd,clip", [("adam", 0.0, None), ("adamw", 0.1, 0.05)])
+def test_reference_adam_steps_match_a_hand_rolled_loop(opt_name, wd, clip):
     cfg = config(num_layers=2)
     iters = [[batch(seed=2 * i), batch(seed=2 * i + 1)] for i in range(3)]
-    run = run_reference(cfg, iters, vocab_size=VOCAB, max_sequence_length=SEQ, seed=SEED, lr=1e-2)
+    run = run_reference(cfg, iters, vocab_size=VOCAB, max_sequence_length=SEQ, seed=SEED, lr=1e-2,
+                        optimizer=opt_name, weight_decay=wd, clip_grad=clip)
     (m,) = build(cfg, 1, 1, 0)
     named = mm.global_named_parameters([m], 0, 1)
-    opt = torch.optim.Adam(named.values(), lr=1e-2)
+    decay = [p for n, p in named.items() if p.dim() > 1]  # Megatron: no decay on biases and norm scales
+    rest = [p for n, p in named.items() if p.dim() == 1]
+    cls = torch.optim.AdamW if opt_name == "adamw" else torch.optim.Adam
+    opt = cls([{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
     for it, step in zip(iters, run.steps):
         opt.zero_grad()
         losses = []
@@ -307,6 +312,8 @@ def test_reference_adam_steps_match_a_hand_rolled_loop():
         assert step.lm_loss == pytest.approx(float(sum(losses) / len(it)), rel=1e-5)
         for n, p in named.items():
             torch.testing.assert_close(step.grads[n], p.grad, rtol=1e-5, atol=1e-6)
+        if clip:
+            assert torch.nn.utils.clip_grad_norm_(list(named.values()), clip) > clip  # clipping is exercised
         opt.step()
     for n, p in named.items():
         torch.testing.assert_close(run.params[n], p.detach(), rtol=1e-5, atol=1e-6)
