@@ -291,9 +291,9 @@ def build_model_chunks(
     spec = transformer_layer_spec or layer_spec(device, config.normalization)
     single_rank_loop = pp_size == 1 and vp_size > 1
     if single_rank_loop:
-        cfg = _with_pipeline(config, vp_size, None)
+        cfg = _chunk_config(config, vp_size, None, device)
     else:
-        cfg = _with_pipeline(config, pp_size, vp_size if vp_size > 1 else None)
+        cfg = _chunk_config(config, pp_size, vp_size if vp_size > 1 else None, device)
 
     chunks: list[GPTModel] = []
     for k in range(vp_size):
@@ -340,13 +340,17 @@ def float16_chunks(chunks: Sequence[GPTModel]) -> list[torch.nn.Module]:
     return [Float16Module(c.config, c) for c in chunks]
 
 
-def _with_pipeline(config: TransformerConfig, pp: int, vp: int | None) -> TransformerConfig:
-    if config.pipeline_model_parallel_size == pp and config.virtual_pipeline_model_parallel_size == vp:
-        return config
-    kwargs: dict[str, Any] = dict(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
-    if pp > 1 and config.pipeline_dtype is None:
-        kwargs["pipeline_dtype"] = config.params_dtype
-    return dataclasses.replace(config, **kwargs)
+def _chunk_config(config: TransformerConfig, pp: int, vp: int | None, device: torch.device) -> TransformerConfig:
+    """The config the chunks share: the caller's own object when it already fits (so hooks set on it reach
+    every chunk), else one copy with the pipeline sizes (and, on CPU, CPU initialisation) fixed."""
+    kwargs: dict[str, Any] = {}
+    if config.pipeline_model_parallel_size != pp or config.virtual_pipeline_model_parallel_size != vp:
+        kwargs.update(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
+        if pp > 1 and config.pipeline_dtype is None:
+            kwargs["pipeline_dtype"] = config.params_dtype
+    if device.type == "cpu" and not config.use_cpu_initialization:
+        kwargs["use_cpu_initialization"] = True  # else Megatron allocates parameters on the current CUDA device
+    return dataclasses.replace(config, **kwargs) if kwargs else config
 
 
 def _tie(chunks: list[GPTModel], pp_size: int) -> None:

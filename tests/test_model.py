@@ -87,6 +87,15 @@ def test_layer_split_errors_name_the_flags():
         build(config(num_layers=4), 3, 1, 0)
 
 
+def test_chunks_share_the_callers_config_when_it_fits():
+    cfg = config(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    chunks = build(cfg, 2, 2, 1)
+    assert all(c.config is cfg for c in chunks)  # hooks set on the caller's config reach every chunk
+    other = build(config(num_layers=4), 2, 2, 1)  # a P = 1 config: one shared copy with the sizes fixed
+    assert other[0].config is other[1].config
+    assert (other[0].config.pipeline_model_parallel_size, other[0].config.virtual_pipeline_model_parallel_size) == (2, 2)
+
+
 def test_chunks_hold_the_global_layers_of_their_stage():
     cfg = config(num_layers=8)
     ranks = layout(cfg, 2, 2)
