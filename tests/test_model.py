@@ -243,6 +243,20 @@ def test_megatron_recompute_gives_the_same_gradients(monkeypatch, granularity):
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+def test_megatron_default_dropout_runs_on_cpu():
+    cfg = mm.make_transformer_config(num_layers=2, hidden_size=32, num_attention_heads=4)  # dropout 0.1 both
+    (m,) = build(cfg, 1, 1, 0)
+    mb = batch()
+    run = lambda: m(mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"])  # noqa: E731
+    a, b = run(), run()
+    assert not torch.equal(a, b)  # dropout is active in training mode
+    a.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+    m.eval()
+    with torch.no_grad():
+        assert torch.equal(run(), run())
+
+
 # ---------------------------------------------------------------------------------------------- attention
 def naive_attention(q, k, v, masked, scale):
     """[s, b, h, d] inputs; masked: [s, s] bool, True = masked out."""
