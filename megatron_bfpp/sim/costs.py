@@ -187,18 +187,22 @@ class Costs:
                           p2p_bytes: float, p2p_bandwidth: float, p2p_latency: float,
                           stage_param_bytes: float | list[float], dp: int, gather_bandwidth: float,
                           reduce_bandwidth: float, collective_latency: float, zero_stage: int,
-                          optimizer: float = 0.0, dp_overlap: bool = True, p2p_overlap: bool = True) -> "Costs":
+                          optimizer: float = 0.0, dp_overlap: bool = True, p2p_overlap: bool = True,
+                          stage_grad_bytes: float | list[float] | None = None) -> "Costs":
         """Costs from measured per-stage F/B seconds and measured bandwidths (bytes/s, as a flat ring reaches
-        them over the D data-parallel ranks); `stage_param_bytes` are bf16 bytes of each stage's parameters."""
+        them over the D data-parallel ranks). `stage_param_bytes` are the bytes each stage's parameters
+        occupy as gathered, `stage_grad_bytes` as reduced (default: fp32 gradients of bf16 weights, twice)."""
         def per_stage(v: float | list[float]) -> list[float]:
             return list(v) if isinstance(v, list) else [float(v)] * num_stages
 
         fwd, bwd, wbytes = per_stage(forward), per_stage(backward), per_stage(stage_param_bytes)
+        gbytes = per_stage(stage_grad_bytes) if stage_grad_bytes is not None else [
+            w * GRAD_BYTES / PARAM_BYTES for w in wbytes]
         send = [p2p_latency + p2p_bytes / p2p_bandwidth if pp > 1 else 0.0] * num_stages
         frac = (dp - 1) / dp if dp > 1 else 0.0
         lat = collective_latency if dp > 1 else 0.0
         ag = [lat + frac * w / gather_bandwidth for w in wbytes]
-        grad = [lat + frac * w * GRAD_BYTES / PARAM_BYTES / reduce_bandwidth for w in wbytes]
+        grad = [lat + frac * g / reduce_bandwidth for g in gbytes]
         if zero_stage == 0:
             grad = [2 * g for g in grad]
         return Costs(fwd, bwd, list(send), list(send), ag if zero_stage == 3 else [0.0] * num_stages, grad,
