@@ -51,7 +51,9 @@ def hook_argument_parsing(parse: bool = True) -> list[str]:
     for name in _MODULES:
         try:
             mod = importlib.import_module(name)
-        except ImportError:
+        except ModuleNotFoundError as e:
+            if e.name != name:  # the module exists but a dependency of it is missing: say so
+                raise
             continue
         for attr, wrap in _WRAPPERS.items():
             if attr == "parse_args" and not parse:

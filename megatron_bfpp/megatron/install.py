@@ -87,16 +87,35 @@ def _runtime_factory() -> Callable:
     return get_forward_backward_func
 
 
-def _sharded_replacements() -> dict[str, Any]:
+def bind_zero_stage(ddp_class: type, zero_stage: int) -> type:
+    """`ddp_class` with `zero_stage` preset when its constructor takes that keyword (Megatron builds the
+    wrapper with DDP's own arguments only); the class itself otherwise."""
+    try:
+        takes = "zero_stage" in inspect.signature(ddp_class.__init__).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        return ddp_class
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("zero_stage", zero_stage)
+        ddp_class.__init__(self, *args, **kwargs)
+
+    return type(ddp_class.__name__, (ddp_class,), {"__init__": __init__, "__module__": ddp_class.__module__,
+                                                   "__doc__": ddp_class.__doc__, "bfpp_zero_stage": zero_stage})
+
+
+def _sharded_replacements(zero_stage: int) -> dict[str, Any]:
     """ZeRO-2/3 replacements: wrapper class, optimizer factory, gradient finalisation."""
     try:
         from megatron_bfpp.sharded import megatron_compat
         from megatron_bfpp.sharded.finalize import finalize_model_grads
     except ImportError as e:
         raise ImportError(f"--zero-stage 2/3 needs megatron_bfpp.sharded ({e}); reinstall megatron_bfpp") from e
+    ddp = bind_zero_stage(megatron_compat.DistributedDataParallel, zero_stage)
     return {
-        "DDP": megatron_compat.DistributedDataParallel,
-        "DistributedDataParallel": megatron_compat.DistributedDataParallel,
+        "DDP": ddp,
+        "DistributedDataParallel": ddp,
         "get_megatron_optimizer": megatron_compat.get_megatron_optimizer,
         "finalize_model_grads": finalize_model_grads,
     }
@@ -118,7 +137,7 @@ def install(args: argparse.Namespace) -> PluginConfig:
         compat.check_forward_backward_getter(original)
         plan.append((training, point.attr, make_forward_backward_getter(cfg, _runtime_factory(), original)))
     if cfg.shards_model_state:
-        replacements = _sharded_replacements()
+        replacements = _sharded_replacements(cfg.zero_stage)
         for mod, point in compat.resolve(compat.SHARDED_POINTS):
             plan.append((mod, point.attr, replacements[point.attr]))
     version = compat.megatron_core_version()

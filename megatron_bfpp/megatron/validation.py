@@ -83,10 +83,10 @@ def _dp_size(args: argparse.Namespace) -> int:
 
 def _global_batch_sizes(args: argparse.Namespace) -> list[int]:
     """Every global batch size training can use: the target plus batch-size ramp-up / step schedule entries."""
-    sizes = [int(args.global_batch_size)]
     steps = getattr(args, "step_batch_size_schedule", None)  # 0.19: "THRESHOLD:BS THRESHOLD:BS ..."
-    if steps:
-        sizes += [int(item.split(":")[1]) for item in str(steps).split()]
+    if steps:  # Megatron then leaves --global-batch-size at a placeholder: the schedule has every size
+        return sorted({int(item.split(":")[1]) for item in str(steps).split()})
+    sizes = [int(args.global_batch_size)]
     rampup = getattr(args, "rampup_batch_size", None)  # 0.16: [start, increment, samples]
     if rampup:
         start, increment = int(rampup[0]), int(rampup[1])

@@ -1,0 +1,505 @@
+"""Megatron-LM integration: flags through Megatron's own parser and validation, the plugin's checks (one clear
+error per bad combination, in Megatron's flag names), install()/uninstall() rebinding on the installed
+megatron-core, argument hooks and the no-patch launcher, and (with MEGATRON_LM_DIR) the patch series on a
+real Megatron-LM checkout.
+
+Megatron's argument validation runs on CPU: WORLD_SIZE/RANK come from the environment (set per case by
+`parse_megatron_args`) and the GPU architecture query (tensor/context parallelism) is answered without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import megatron_bfpp.megatron as bm
+from megatron_bfpp.megatron import compat
+from megatron_bfpp.megatron.check import parse_megatron_args
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "128", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
+        "--pipeline-model-parallel-size", "4"]
+VIRTUAL = ["--num-layers-per-virtual-pipeline-stage", "1"]  # 8 layers / P=4 -> V = 2
+WORLD = 8  # P=4 -> data-parallel size 2
+# Flags of the `bfpp schedule` command, which must never leak into Megatron-facing messages.
+FOREIGN_FLAGS = re.compile(r"(?<![\w-])--(vp|pp|group-size|schedule|microbatches|weight-buffers|grad-buffers)\b")
+
+
+def plugin_config(*flags: str, world: int = WORLD) -> bm.PluginConfig:
+    return bm.validate_args(parse_megatron_args([*TINY, *flags], world))
+
+
+@pytest.fixture
+def restore():
+    """Leave Megatron as found, whatever a test installed or hooked."""
+    from megatron.training import arguments, training
+
+    before = {n: getattr(training, n) for n in ("get_forward_backward_func", "DDP", "get_megatron_optimizer",
+                                                  "finalize_model_grads")}
+    before_args = {n: getattr(arguments, n) for n in ("parse_args", "validate_args")}
+    yield training
+    bm.unhook_argument_parsing()
+    bm.uninstall()
+    for n, v in before.items():
+        assert getattr(training, n) is v, f"megatron.training.training.{n} not restored"
+    for n, v in before_args.items():
+        assert getattr(arguments, n) is v, f"megatron.training.arguments.{n} not restored"
+
+
+# ------------------------------------------------------------------------------------------------ flags
+
+def test_add_arguments_is_idempotent_and_chains() -> None:
+    def other(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument("--other-flag", type=int, default=0)
+        return parser
+
+    parser = argparse.ArgumentParser()
+    parser = bm.extra_args_provider(other)(parser)
+    parser = bm.add_arguments(parser)  # patch + launcher together must not conflict
+    a = parser.parse_args(["--other-flag", "3", "--pipeline-schedule", "breadth-first", "--zero-stage", "3",
+                           "--bfpp-weight-buffers", "1", "--timeline", "t.json"])
+    assert (a.other_flag, a.pipeline_schedule, a.zero_stage, a.bfpp_weight_buffers, a.timeline) == (
+        3, "breadth-first", 3, 1, "t.json")
+    d = parser.parse_args([])
+    assert (d.pipeline_schedule, d.zero_stage, d.bfpp_weight_buffers, d.bfpp_grad_buffers) == ("default", None, None, None)
+    for bad in (["--pipeline-schedule", "zigzag"], ["--zero-stage", "4"], ["--bfpp-grad-buffers", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+
+
+def test_parse_and_validate_args_accepts_breadth_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron-LM's own entry point, exactly as pretrain_gpt.py calls it, with the plugin's provider."""
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.global_vars import unset_global_variables
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY, *VIRTUAL, "--global-batch-size", "16",
+                                      "--pipeline-schedule", "breadth-first", "--zero-stage", "3"])
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    monkeypatch.setenv("RANK", "0")
+    try:
+        args = parse_and_validate_args(extra_args_provider=bm.add_arguments,
+                                       args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    finally:
+        unset_global_variables()
+    assert args.pipeline_schedule == "breadth-first" and args.zero_stage == 3
+    assert args.virtual_pipeline_model_parallel_size == 2 and args.data_parallel_size == 2
+    cfg = bm.validate_args(args)
+    assert (cfg.pp, cfg.vp, cfg.train_microbatches, cfg.eval_microbatches, cfg.zero_stage) == (4, 2, (8,), 8, 3)
+    assert cfg.uses_runtime and cfg.shards_model_state and cfg.microbatch_group_size is None
+
+
+@pytest.mark.parametrize("flags, expect", [
+    ((*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first"),
+     dict(pipeline_schedule="breadth-first", pp=4, vp=2, train_microbatches=(4,))),
+    # Breadth-first runs below one micro-batch per pipeline stage, where interleaved cannot.
+    ((*VIRTUAL, "--global-batch-size", "4", "--pipeline-schedule", "breadth-first"),
+     dict(train_microbatches=(2,))),
+    ((*VIRTUAL, "--global-batch-size", "16", "--pipeline-schedule", "breadth-first",
+      "--microbatch-group-size-per-virtual-pipeline-stage", "4", "--zero-stage", "3", "--bfpp-weight-buffers", "1",
+      "--bfpp-grad-buffers", "3"),
+     dict(microbatch_group_size=4, zero_stage=3, weight_buffers=1, grad_buffers=3)),
+    ((*VIRTUAL, "--global-batch-size", "16", "--pipeline-schedule", "interleaved-1f1b",
+      "--microbatch-group-size-per-virtual-pipeline-stage", "8", "--zero-stage", "1", "--use-distributed-optimizer"),
+     dict(pipeline_schedule="interleaved-1f1b", microbatch_group_size=8, zero_stage=1)),
+    (("--global-batch-size", "8", "--pipeline-schedule", "1f1b", "--zero-stage", "2"),
+     dict(pipeline_schedule="1f1b", vp=1, zero_stage=2)),
+    ((*VIRTUAL, "--global-batch-size", "8"), dict(pipeline_schedule="default", zero_stage=None)),
+    ((*VIRTUAL, "--global-batch-size", "16", "--eval-micro-batch-size", "4", "--pipeline-schedule", "breadth-first"),
+     dict(train_microbatches=(8,), eval_microbatches=2)),
+])
+def test_valid_combinations(flags: tuple[str, ...], expect: dict) -> None:
+    cfg = plugin_config(*flags)
+    for k, v in expect.items():
+        assert getattr(cfg, k) == v, k
+    assert cfg.uses_runtime == (cfg.pipeline_schedule != "default")
+
+
+BAD = [
+    ("bf-without-virtual", ("--global-batch-size", "8", "--pipeline-schedule", "breadth-first"),
+     ["--pipeline-schedule breadth-first needs virtual stages", "--num-layers-per-virtual-pipeline-stage",
+      "--num-virtual-stages-per-pipeline-rank"]),
+    ("interleaved-without-virtual", ("--global-batch-size", "8", "--pipeline-schedule", "interleaved-1f1b"),
+     ["--pipeline-schedule interleaved-1f1b needs virtual stages"]),
+    ("interleaved-M<P", (*VIRTUAL, "--global-batch-size", "4", "--pipeline-schedule", "interleaved-1f1b"),
+     ["needs at least P=4 micro-batches (got M=2)", "raise --global-batch-size or lower --micro-batch-size",
+      "--pipeline-schedule breadth-first", "data-parallel size 2"]),
+    ("interleaved-M<P-in-batch-ramp", (*VIRTUAL, "--step-batch-size-schedule", "0:4 1K:16",
+                                       "--pipeline-schedule", "interleaved-1f1b"),
+     ["needs at least P=4 micro-batches (got M=2)"]),
+    ("interleaved-eval-M<P", (*VIRTUAL, "--global-batch-size", "16", "--eval-global-batch-size", "4",
+                              "--pipeline-schedule", "interleaved-1f1b"),
+     ["(got M=2)", "evaluation, --eval-global-batch-size"]),
+    ("interleaved-group<P", (*VIRTUAL, "--global-batch-size", "16", "--pipeline-schedule", "interleaved-1f1b",
+                             "--microbatch-group-size-per-virtual-pipeline-stage", "3"),
+     ["--microbatch-group-size-per-virtual-pipeline-stage must lie in [P=4, M=8]"]),
+    ("bf-group>M", (*VIRTUAL, "--global-batch-size", "16", "--pipeline-schedule", "breadth-first",
+                    "--microbatch-group-size-per-virtual-pipeline-stage", "9"),
+     ["--microbatch-group-size-per-virtual-pipeline-stage must lie in [1, M=8]"]),
+    ("1f1b-with-virtual", (*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "1f1b"),
+     ["--pipeline-schedule 1f1b runs one stage per rank", "--pipeline-schedule interleaved-1f1b or breadth-first"]),
+    ("zero3+distopt", (*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
+                       "--zero-stage", "3", "--use-distributed-optimizer"),
+     ["--zero-stage 3 brings its own sharded optimizer", "drop --use-distributed-optimizer"]),
+    ("zero2+overlap-grad", (*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
+                            "--zero-stage", "2", "--overlap-grad-reduce"),
+     ["drop --overlap-grad-reduce"]),
+    ("zero3+megatron-fsdp", (*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
+                             "--zero-stage", "3", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"),
+     ["--use-megatron-fsdp cannot run under --pipeline-schedule breadth-first", "--zero-stage 3"]),
+    ("zero1-without-distopt", (*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
+                               "--zero-stage", "1"),
+     ["--zero-stage 1", "add --use-distributed-optimizer"]),
+    ("zero-with-default", (*VIRTUAL, "--global-batch-size", "8", "--zero-stage", "3"),
+     ["--zero-stage needs megatron_bfpp's schedule runtime", "--pipeline-schedule breadth-first"]),
+    ("timeline-with-default", (*VIRTUAL, "--global-batch-size", "8", "--timeline", "t.json"),
+     ["--timeline needs megatron_bfpp's schedule runtime"]),
+    ("weight-buffers-zero2", (*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
+                              "--zero-stage", "2", "--bfpp-weight-buffers", "1"),
+     ["--bfpp-weight-buffers applies to --zero-stage 3 only"]),
+    ("grad-buffers-no-zero", (*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
+                              "--bfpp-grad-buffers", "1"),
+     ["--bfpp-grad-buffers applies to --zero-stage 2 and 3 only"]),
+    ("fp16-no-loss-scaling", (*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
+                              "--fp16", "--loss-scale", "1"),
+     ["--fp16 with --loss-scale 1.0 trains without loss scaling", "--bf16"]),
+    ("timeline-dir-missing", (*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
+                              "--timeline", "/nonexistent-dir/t.json"),
+     ["--timeline /nonexistent-dir/t.json: directory /nonexistent-dir does not exist"]),
+]
+
+
+@pytest.mark.parametrize("flags, needles", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_combinations_one_clear_error(flags: tuple[str, ...], needles: list[str]) -> None:
+    with pytest.raises(bm.ConfigError) as e:
+        plugin_config(*flags)
+    msg = str(e.value)
+    for n in needles:
+        assert n in msg, f"{n!r} not in {msg!r}"
+    assert not FOREIGN_FLAGS.search(msg), f"message uses `bfpp schedule` flags: {msg}"
+    assert "\n" not in msg
+
+
+def test_tensor_parallel_validation_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron's TP checks read the GPU architecture and CUDA_DEVICE_MAX_CONNECTIONS."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    cfg = plugin_config(*VIRTUAL, "--global-batch-size", "8", "--tensor-model-parallel-size", "2",
+                        "--pipeline-schedule", "breadth-first", world=16)
+    assert (cfg.pp, cfg.vp, cfg.train_microbatches) == (4, 2, (4,))
+
+
+def test_messages_use_megatron_flag_names() -> None:
+    from megatron_bfpp.schedule import ScheduleError, build
+
+    for args in [("breadth-first", 4, 1, 8, None), ("interleaved-1f1b", 4, 2, 2, None),
+                 ("interleaved-1f1b", 4, 2, 8, 3), ("breadth-first", 4, 2, 8, 9), ("1f1b", 4, 2, 8, None),
+                 ("1f1b", 4, 1, 8, 2)]:
+        with pytest.raises(ScheduleError) as e:
+            build(*args)
+        assert not FOREIGN_FLAGS.search(bm.megatron_flag_text(str(e.value))), str(e.value)
+
+
+def test_validate_requires_plugin_flags_and_megatron_validation() -> None:
+    with pytest.raises(bm.ConfigError, match="extra_args_provider=megatron_bfpp.megatron.add_arguments"):
+        bm.validate_args(argparse.Namespace(pipeline_model_parallel_size=2))
+    with pytest.raises(bm.ConfigError, match="validate_args first"):
+        bm.validate_args(argparse.Namespace(pipeline_schedule="breadth-first", data_parallel_size=None))
+
+
+# ---------------------------------------------------------------------------------------------- install
+
+def _args(*flags: str) -> argparse.Namespace:
+    return parse_megatron_args([*TINY, *flags], WORLD)
+
+
+class FakeFactory:
+    """Stands in for megatron_bfpp.runtime.get_forward_backward_func and records the options it got."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __call__(self, pipeline_schedule: str, microbatch_group_size: int | None = None, weight_buffers: int = 2,
+                 grad_buffers: int = 2):
+        self.calls.append(dict(pipeline_schedule=pipeline_schedule, microbatch_group_size=microbatch_group_size,
+                               weight_buffers=weight_buffers, grad_buffers=grad_buffers))
+        return lambda **kw: ("ran", kw)
+
+
+def test_install_rebinds_schedule_and_uninstall_restores(restore, monkeypatch: pytest.MonkeyPatch) -> None:
+    training = restore
+    original = training.get_forward_backward_func
+    fake = FakeFactory()
+    monkeypatch.setattr("megatron_bfpp.runtime.get_forward_backward_func", fake)
+    cfg = bm.install(_args(*VIRTUAL, "--global-batch-size", "16", "--pipeline-schedule", "breadth-first",
+                           "--microbatch-group-size-per-virtual-pipeline-stage", "4"))
+    assert bm.is_installed() and bm.installed_config() == cfg
+    getter = training.get_forward_backward_func
+    assert getter is not original and getter.__wrapped__ is original
+    fb = getter(schedule_pg_collection=None)  # 0.19 train()/evaluate()
+    assert fb(num_microbatches=3)[0] == "ran"
+    getter()  # 0.16 train()/evaluate()
+    getter(pp_size=4, vp_size=2)
+    assert fake.calls == [dict(pipeline_schedule="breadth-first", microbatch_group_size=4, weight_buffers=2,
+                               grad_buffers=2)] * 3
+    assert training.DDP is restore.DDP  # no ZeRO-2/3: Megatron's own DDP and optimizer stay
+    bm.install(_args(*VIRTUAL, "--global-batch-size", "16", "--pipeline-schedule", "interleaved-1f1b"))
+    assert training.get_forward_backward_func.__wrapped__ is original  # re-install replaces, never stacks
+    bm.uninstall()
+    assert training.get_forward_backward_func is original and not bm.is_installed()
+
+
+def test_install_uses_the_real_runtime(restore) -> None:
+    """The rebound getter returns the plugin runtime's function, with Megatron-Core's keyword signature."""
+    import inspect
+
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    bm.install(_args(*VIRTUAL, "--global-batch-size", "16", "--pipeline-schedule", "breadth-first"))
+    fb = restore.get_forward_backward_func(schedule_pg_collection=None)
+    ours = inspect.signature(fb).parameters
+    megatrons = inspect.signature(forward_backward_no_pipelining).parameters
+    assert set(megatrons) <= set(ours), set(megatrons) - set(ours)
+
+
+def test_install_default_schedule_rebinds_nothing(restore) -> None:
+    cfg = bm.install(_args(*VIRTUAL, "--global-batch-size", "8"))
+    assert not cfg.uses_runtime and not bm.is_installed()
+
+
+def test_install_is_atomic_when_a_replacement_is_missing(restore, monkeypatch: pytest.MonkeyPatch) -> None:
+    training = restore
+    original = training.get_forward_backward_func
+    monkeypatch.setitem(sys.modules, "megatron_bfpp.sharded.megatron_compat", None)  # import fails
+    with pytest.raises(ImportError, match="--zero-stage 2/3 needs megatron_bfpp.sharded"):
+        bm.install(_args(*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
+                         "--zero-stage", "3"))
+    assert training.get_forward_backward_func is original and not bm.is_installed()
+
+
+def test_install_zero3_rebinds_wrapper_optimizer_finalize(restore) -> None:
+    compat_mod = pytest.importorskip("megatron_bfpp.sharded.megatron_compat")
+    from megatron.training.models import dist_utils
+
+    from megatron_bfpp.sharded.finalize import finalize_model_grads
+
+    training = restore
+    before_dist = dist_utils.DistributedDataParallel
+    bm.install(_args(*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first", "--zero-stage", "3"))
+    assert issubclass(training.DDP, compat_mod.DistributedDataParallel)
+    assert dist_utils.DistributedDataParallel is training.DDP
+    assert training.get_megatron_optimizer is compat_mod.get_megatron_optimizer
+    assert training.finalize_model_grads is finalize_model_grads
+    bm.uninstall()
+    assert dist_utils.DistributedDataParallel is before_dist
+
+
+def test_bind_zero_stage() -> None:
+    from megatron_bfpp.megatron.install import bind_zero_stage
+
+    class Takes:
+        def __init__(self, config, ddp_config, module, *, zero_stage=None):
+            self.zero_stage = zero_stage
+
+    class Ignores:
+        def __init__(self, config, ddp_config, module):
+            pass
+
+    bound = bind_zero_stage(Takes, 3)
+    assert bound(None, None, None).zero_stage == 3 and bound(None, None, None, zero_stage=2).zero_stage == 2
+    assert isinstance(bound(None, None, None), Takes) and bound.__name__ == "Takes"
+    assert bind_zero_stage(Ignores, 3) is Ignores
+
+
+def test_unsupported_megatron_fails_loudly(restore, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(restore, "get_forward_backward_func")
+    with pytest.raises(compat.UnsupportedMegatronError) as e:
+        bm.install(_args(*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first"))
+    assert "lacks megatron.training.training.get_forward_backward_func" in str(e.value)
+    assert "0.19.x" in str(e.value) and not bm.is_installed()
+    monkeypatch.undo()
+
+    def newer_getter(pp_size=None, vp_size=None, schedule_pg_collection=None, new_option=None):
+        return None
+
+    with pytest.raises(compat.UnsupportedMegatronError, match="takes new_option"):
+        compat.check_forward_backward_getter(newer_getter)
+
+
+def test_supported_version_detected() -> None:
+    version = bm.megatron_core_version()
+    assert compat.version_tuple(version) == (0, 19) and compat.is_supported(version)
+    assert not compat.is_supported("0.12.0") and compat.is_supported("0.16.1")
+
+
+def test_multi_module_pipelines_refused(restore, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+
+    monkeypatch.setattr("megatron_bfpp.runtime.get_forward_backward_func", FakeFactory())
+    bm.install(_args(*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first"))
+    with pytest.raises(NotImplementedError, match="multi-module"):
+        restore.get_forward_backward_func(schedule_pg_collection=MultiModuleProcessGroupCollection.__new__(
+            MultiModuleProcessGroupCollection))
+
+
+# ----------------------------------------------------------------------------- argument hooks and launcher
+
+def test_hooked_parsing_accepts_flags_and_installs(restore, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from megatron.training import arguments
+    from megatron.training.global_vars import unset_global_variables
+
+    names = bm.hook_argument_parsing()
+    assert {"megatron.training.arguments.parse_args", "megatron.training.arguments.validate_args"} <= set(names)
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY, *VIRTUAL, "--global-batch-size", "8",
+                                      "--pipeline-schedule", "breadth-first"])
+    try:
+        args = arguments.parse_and_validate_args()  # the unmodified script passes no plugin provider
+    finally:
+        unset_global_variables()
+    assert args.pipeline_schedule == "breadth-first" and bm.installed_config().vp == 2
+    assert restore.get_forward_backward_func.bfpp_config.pipeline_schedule == "breadth-first"
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY, "--global-batch-size", "8",
+                                      "--pipeline-schedule", "breadth-first"])
+    with pytest.raises(SystemExit) as e:
+        try:
+            arguments.parse_and_validate_args()
+        finally:
+            unset_global_variables()
+    assert e.value.code == 2
+    assert "megatron_bfpp: error: --pipeline-schedule breadth-first needs virtual stages" in capsys.readouterr().err
+
+
+FAKE_SCRIPT = '''
+from helper_next_to_script import MARK  # the launcher puts the script's directory on sys.path
+from megatron.training.arguments import parse_and_validate_args
+from megatron.training import training
+args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+print("SCRIPT", __name__, MARK, training.get_forward_backward_func.bfpp_config.pipeline_schedule, args.zero_stage)
+'''
+
+
+def _launch(script: Path, *flags: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, WORLD_SIZE=str(WORLD), RANK="0", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "megatron_bfpp.launch", str(script), *flags], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=120)
+
+
+@pytest.mark.timeout(150)
+def test_launcher_runs_unmodified_script(tmp_path: Path) -> None:
+    (tmp_path / "helper_next_to_script.py").write_text("MARK = 'helper-ok'\n")
+    script = tmp_path / "pretrain_fake.py"
+    script.write_text(FAKE_SCRIPT)
+    r = _launch(script, *TINY, *VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
+                "--zero-stage", "1", "--use-distributed-optimizer", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SCRIPT __main__ helper-ok breadth-first 1" in r.stdout
+    assert "megatron_bfpp: installed pipeline schedule breadth-first (P=4, V=2, M=4), ZeRO-1" in r.stdout
+
+
+def test_launcher_usage_errors(tmp_path: Path) -> None:
+    from megatron_bfpp import launch
+
+    assert launch.main([]) == 2
+    assert launch.main([str(tmp_path / "missing.py")]) == 2
+    assert launch.main(["--help"]) == 0
+
+
+# -------------------------------------------------------------------- a real Megatron-LM checkout (optional)
+
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
+needs_checkout = pytest.mark.skipif(
+    not MEGATRON_LM_DIR or not Path(MEGATRON_LM_DIR, "pretrain_gpt.py").is_file(),
+    reason="set MEGATRON_LM_DIR to a Megatron-LM checkout of a supported tag (core_v0.19.0, core_v0.16.1)",
+)
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private copy of MEGATRON_LM_DIR (the patches are applied to it, never to the original)."""
+    src = Path(MEGATRON_LM_DIR)  # type: ignore[arg-type]
+    dst = tmp_path_factory.mktemp("mlm") / "Megatron-LM"
+    if (src / ".git").exists():
+        subprocess.run(["git", "-c", "advice.detachedHead=false", "clone", "-q", "--shared", str(src), str(dst)],
+                       check=True, timeout=120)
+        head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+        subprocess.run(["git", "-C", str(dst), "-c", "advice.detachedHead=false", "checkout", "-q", head.strip()],
+                       check=True)
+        dirty = subprocess.run(["git", "-C", str(src), "diff", "HEAD"], capture_output=True, text=True).stdout
+        if dirty:  # carry local changes, as the apply script would see them in place
+            subprocess.run(["git", "-C", str(dst), "apply"], input=dirty, text=True, check=True)
+    else:
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.pyc", "__pycache__"))
+    return dst
+
+
+def _megatron_version(path: Path) -> tuple[int, int]:
+    info = (path / "megatron" / "core" / "package_info.py").read_text()
+    return int(re.search(r"^MAJOR = (\d+)", info, re.M).group(1)), int(re.search(r"^MINOR = (\d+)", info, re.M).group(1))
+
+
+def _run_checkout_script(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, WORLD_SIZE=str(WORLD), RANK="0", PYTHONWARNINGS="ignore")
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=180)
+    missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", r.stderr)
+    if missing and not missing.group(1).startswith("megatron"):
+        pytest.skip(f"the checkout needs Python package {missing.group(1)!r}, not in this environment")
+    return r
+
+
+def _expect_installed_then_cuda(r: subprocess.CompletedProcess) -> None:
+    out = r.stdout + r.stderr
+    assert "megatron_bfpp: installed pipeline schedule breadth-first (P=4, V=2, M=4)" in out, out[-3000:]
+    # On a CPU-only machine Megatron stops at its CUDA requirement, after the plugin was installed.
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "Megatron requires CUDA." in out
+
+
+@needs_checkout
+@pytest.mark.timeout(240)
+def test_launcher_on_unpatched_checkout(checkout: Path) -> None:
+    r = _run_checkout_script([sys.executable, "-m", "megatron_bfpp.launch", str(checkout / "pretrain_gpt.py"), *TINY,
+                              *VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first"], ROOT)
+    _expect_installed_then_cuda(r)
+
+
+@needs_checkout
+@pytest.mark.timeout(240)
+def test_patch_series_applies_and_wires_arguments(checkout: Path) -> None:
+    apply = ["bash", str(ROOT / "scripts" / "apply_megatron_patches.sh")]
+    r = subprocess.run([*apply, "--dry-run", str(checkout)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    tag = re.search(r"series (core_v[\d.]+)", r.stdout).group(1)
+    assert compat.version_tuple(tag[len("core_v"):]) == _megatron_version(checkout)
+    r = subprocess.run([*apply, str(checkout)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "applied:" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([*apply, str(checkout)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "already applied" in r.stdout
+    patched = (checkout / "pretrain_gpt.py").read_text()
+    assert "import megatron_bfpp.megatron" in patched and "megatron_bfpp.megatron.extra_args_provider(" in patched
+    compile(patched, "pretrain_gpt.py", "exec")
+
+
+@needs_checkout
+@pytest.mark.timeout(240)
+def test_patched_script_installs_the_plugin(checkout: Path) -> None:
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "apply_megatron_patches.sh"), str(checkout)],
+                       capture_output=True, text=True, timeout=60)  # applied by the test above, or now
+    assert r.returncode == 0, r.stderr
+    r = _run_checkout_script([sys.executable, str(checkout / "pretrain_gpt.py"), *TINY, *VIRTUAL,
+                              "--global-batch-size", "8", "--pipeline-schedule", "breadth-first"], checkout)
+    _expect_installed_then_cuda(r)
+    r = _run_checkout_script([sys.executable, str(checkout / "pretrain_gpt.py"), *TINY, "--global-batch-size", "8",
+                              "--pipeline-schedule", "breadth-first"], checkout)
+    assert r.returncode == 2 and "megatron_bfpp: error: --pipeline-schedule breadth-first needs virtual stages" in r.stderr
