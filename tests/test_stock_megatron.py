@@ -7,6 +7,7 @@ micro-batches, at P = 4 and P = 2 (V = 2) and several (M, G):
   configuration Megatron-LM uses for interleaving: overlap_p2p_comm=True, batch_p2p_comm=False),
 - our `interleaved-1f1b` with the same group size G,
 - our `breadth-first` (all micro-batches as one group, and groups of G),
+- and, with one chunk per rank (V = 1), stock `forward_backward_pipelining_without_interleaving` and our `1f1b`,
 
 give the same per-micro-batch losses and every parameter gradient as a single-process run of the whole model
 (fp32, rtol 1e-5, atol 1e-6), hence the same as each other.
@@ -31,6 +32,8 @@ from tests.distributed import run_distributed
 HIDDEN, HEADS, SEQ, MBS, VOCAB, VP, SEED, WORLD = 16, 2, 8, 2, 64, 2, 7, 4
 STOCK_P2P = {"overlap_p2p_comm": True, "batch_p2p_comm": False}  # Megatron-LM's setting for interleaving
 TRAP_P2P = {"overlap_p2p_comm": False, "batch_p2p_comm": True}  # ModelParallelConfig's defaults
+# Non-interleaved 1F1B refuses overlap_p2p_comm; Megatron-LM turns it off without virtual stages.
+ONE_F_ONE_B_P2P = {"overlap_p2p_comm": False, "batch_p2p_comm": True}
 TRAP_M = 4
 
 # P -> [(M, G, tied)]: stock and our interleaved-1f1b run with group size G; breadth-first with G=None (one
@@ -57,21 +60,21 @@ def _batches(m: int) -> list[dict]:
     return out
 
 
-def _config(pp: int):
+def _config(pp: int, vp: int = VP):
     from megatron_bfpp.model import make_transformer_config
 
-    return make_transformer_config(num_layers=pp * VP, hidden_size=HIDDEN, num_attention_heads=HEADS,
+    return make_transformer_config(num_layers=pp * vp, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                    hidden_dropout=0.0, attention_dropout=0.0, pipeline_model_parallel_size=pp,
-                                   virtual_pipeline_model_parallel_size=VP)
+                                   virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
 
 
-def _reference(pp: int, m: int, tied: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(pp: int, m: int, tied: bool, vp: int = VP) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The whole model as one chunk in this process (a one-stage pipeline talking to nobody), plain autograd,
     Megatron's normalisation: each micro-batch's backward on loss_sum / num_tokens / M."""
     from megatron_bfpp.data import gpt_forward_step
     from megatron_bfpp.model import build_model_chunks, global_named_parameters
 
-    (model,) = build_model_chunks(_config(pp), vocab_size=VOCAB, max_sequence_length=SEQ, pp_rank=0, pp_size=1,
+    (model,) = build_model_chunks(_config(pp, vp), vocab_size=VOCAB, max_sequence_length=SEQ, pp_rank=0, pp_size=1,
                                   share_embeddings_and_output_weights=tied, seed=SEED)
     losses = []
     for b in _batches(m):
@@ -82,17 +85,17 @@ def _reference(pp: int, m: int, tied: bool) -> tuple[list[float], dict[str, torc
     return losses, {n: p.grad.clone() for n, p in global_named_parameters([model], 0, 1).items()}
 
 
-def _chunks(pp: int, tied: bool):
+def _chunks(pp: int, tied: bool, vp: int = VP):
     from megatron.core import parallel_state as ps
 
     from megatron_bfpp.model import build_model_chunks
 
-    return build_model_chunks(_config(pp), vocab_size=VOCAB, max_sequence_length=SEQ,
-                              pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp, vp_size=VP,
+    return build_model_chunks(_config(pp, vp), vocab_size=VOCAB, max_sequence_length=SEQ,
+                              pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp, vp_size=vp,
                               share_embeddings_and_output_weights=tied, seed=SEED)
 
 
-def _run(pp: int, runner: str, m: int, g: int | None, tied: bool, p2p: dict | None = None):
+def _run(pp: int, runner: str, m: int, g: int | None, tied: bool, p2p: dict | None = None, vp: int = VP):
     """One forward-backward of this rank's chunks; returns (per-micro-batch losses, {global name: grad}).
     Losses are empty on ranks without the last stage."""
     from megatron.core import parallel_state as ps
@@ -103,15 +106,17 @@ def _run(pp: int, runner: str, m: int, g: int | None, tied: bool, p2p: dict | No
     from megatron_bfpp.runtime import get_forward_backward_func
     from tests.megatron_cpu_shim import stock_schedules_on_cpu
 
-    chunks = _chunks(pp, tied)
+    chunks = _chunks(pp, tied, vp)
     kwargs = dict(forward_step_func=gpt_forward_step, data_iterator=[iter(_batches(m)) for _ in chunks],
                   model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
-    if runner == "stock":
+    if runner in ("stock", "stock-1f1b"):
         config = chunks[0].config  # get_model_config(model[0]): the schedule reads its knobs from here
-        for key, value in {**(p2p or STOCK_P2P), "microbatch_group_size_per_vp_stage": g}.items():
+        for key, value in {**(p2p or STOCK_P2P), "microbatch_group_size_per_vp_stage": g or pp}.items():
             setattr(config, key, value)
+        stock = (schedules.forward_backward_pipelining_with_interleaving if runner == "stock" else
+                 schedules.forward_backward_pipelining_without_interleaving)
         with stock_schedules_on_cpu():
-            store = schedules.forward_backward_pipelining_with_interleaving(**kwargs)
+            store = stock(**kwargs)
     else:
         store = get_forward_backward_func(runner, g)(**kwargs)
     if tied:
@@ -159,7 +164,15 @@ def _worker(rank: int, world: int) -> dict:
                 out["refs"][(pp, m, tied)] = _reference(pp, m, tied)
             for runner, group in _runs(m, g):
                 out["runs"][(pp, runner, m, group, tied)] = _run(pp, runner, m, group, tied)
-    # The trap, at P = 2 (still initialised from the loop above).
+        # Non-interleaved 1F1B (V = 1): stock and ours.
+        parallel.init_parallel(pp, None, distributed_timeout_seconds=60)
+        m = CASES[pp][0][0]
+        if rank == 0:
+            out["refs"][(pp, "V1", m)] = _reference(pp, m, True, vp=1)
+        for runner in ("stock-1f1b", "1f1b"):
+            out["runs"][(pp, runner, m)] = _run(pp, runner, m, None, True, ONE_F_ONE_B_P2P, vp=1)
+    # The trap, at P = 2.
+    parallel.init_parallel(2, VP, distributed_timeout_seconds=60)
     if rank == 0:
         out["refs"][(2, TRAP_M, True)] = _reference(2, TRAP_M, True)
     out["runs"]["trap_stock"] = _run(2, "stock", TRAP_M, 2, True, TRAP_P2P)
@@ -205,6 +218,14 @@ def test_stock_interleaved_and_ours_equal_reference(results, pp):
     for m, g, tied in CASES[pp]:
         for runner, group in _runs(m, g):
             _assert_equal(results, (pp, runner, m, group, tied), refs[(pp, m, tied)])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pp", sorted(CASES))
+def test_stock_1f1b_and_ours_equal_reference(results, pp):
+    m = CASES[pp][0][0]
+    for runner in ("stock-1f1b", "1f1b"):
+        _assert_equal(results, (pp, runner, m), results[0]["refs"][(pp, "V1", m)])
 
 
 @pytest.mark.timeout(300)
