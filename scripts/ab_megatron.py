@@ -212,8 +212,6 @@ def commands(a: argparse.Namespace) -> dict[str, list[str]]:
         prefix = ["torchrun", "--nnodes", "1", "--nproc-per-node", str(a.gpus_per_node),
                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{a.master_port}"]
     plugin = ["--pipeline-schedule", a.schedule, "--zero-stage", str(a.zero_stage)]
-    if a.zero_stage == 1:
-        plugin += ["--use-distributed-optimizer"]
     cmds = {
         "stock": prefix + [script] + flags + STOCK_FLAGS,
         "plugin": prefix + ["-m", "megatron_bfpp.launch", script] + flags + plugin,

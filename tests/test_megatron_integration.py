@@ -108,8 +108,12 @@ def test_parse_and_validate_args_accepts_breadth_first(monkeypatch: pytest.Monke
       "--bfpp-grad-buffers", "3"),
      dict(microbatch_group_size=4, zero_stage=3, weight_buffers=1, grad_buffers=3)),
     ((*VIRTUAL, "--global-batch-size", "16", "--pipeline-schedule", "interleaved-1f1b",
-      "--microbatch-group-size-per-virtual-pipeline-stage", "8", "--zero-stage", "1", "--use-distributed-optimizer"),
+      "--microbatch-group-size-per-virtual-pipeline-stage", "8", "--zero-stage", "1"),
      dict(pipeline_schedule="interleaved-1f1b", microbatch_group_size=8, zero_stage=1)),
+    # Without --zero-stage, Megatron's own DDP and distributed optimizer run under the plugin's schedule.
+    ((*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first", "--use-distributed-optimizer",
+      "--overlap-grad-reduce"),
+     dict(pipeline_schedule="breadth-first", zero_stage=None)),
     (("--global-batch-size", "8", "--pipeline-schedule", "1f1b", "--zero-stage", "2"),
      dict(pipeline_schedule="1f1b", vp=1, zero_stage=2)),
     ((*VIRTUAL, "--global-batch-size", "8"), dict(pipeline_schedule="default", zero_stage=None)),
@@ -148,16 +152,17 @@ BAD = [
      ["--pipeline-schedule 1f1b runs one stage per rank", "--pipeline-schedule interleaved-1f1b or breadth-first"]),
     ("zero3+distopt", (*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
                        "--zero-stage", "3", "--use-distributed-optimizer"),
-     ["--zero-stage 3 brings its own sharded optimizer", "drop --use-distributed-optimizer"]),
+     ["--zero-stage 3 brings megatron_bfpp's sharded optimizer", "drop --use-distributed-optimizer",
+      "or drop --zero-stage"]),
     ("zero2+overlap-grad", (*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
                             "--zero-stage", "2", "--overlap-grad-reduce"),
      ["drop --overlap-grad-reduce"]),
     ("zero3+megatron-fsdp", (*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
                              "--zero-stage", "3", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"),
      ["--use-megatron-fsdp cannot run under --pipeline-schedule breadth-first", "--zero-stage 3"]),
-    ("zero1-without-distopt", (*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
-                               "--zero-stage", "1"),
-     ["--zero-stage 1", "add --use-distributed-optimizer"]),
+    ("zero1+distopt", (*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
+                       "--zero-stage", "1", "--use-distributed-optimizer"),
+     ["--zero-stage 1 brings megatron_bfpp's sharded optimizer", "drop --use-distributed-optimizer"]),
     ("zero-with-default", (*VIRTUAL, "--global-batch-size", "8", "--zero-stage", "3"),
      ["--zero-stage needs megatron_bfpp's schedule runtime", "--pipeline-schedule breadth-first"]),
     ("timeline-with-default", (*VIRTUAL, "--global-batch-size", "8", "--timeline", "t.json"),
@@ -278,7 +283,7 @@ def test_install_is_atomic_when_a_replacement_is_missing(restore, monkeypatch: p
     training = restore
     original = training.get_forward_backward_func
     monkeypatch.setitem(sys.modules, "megatron_bfpp.sharded.megatron_compat", None)  # import fails
-    with pytest.raises(ImportError, match="--zero-stage 2/3 needs megatron_bfpp.sharded"):
+    with pytest.raises(ImportError, match="--zero-stage needs megatron_bfpp.sharded.megatron_compat"):
         bm.install(_args(*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
                          "--zero-stage", "3"))
     assert training.get_forward_backward_func is original and not bm.is_installed()
@@ -399,10 +404,10 @@ def test_launcher_runs_unmodified_script(tmp_path: Path) -> None:
     script = tmp_path / "pretrain_fake.py"
     script.write_text(FAKE_SCRIPT)
     r = _launch(script, *TINY, *VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
-                "--zero-stage", "1", "--use-distributed-optimizer", cwd=ROOT)
+                "--use-distributed-optimizer", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "SCRIPT __main__ helper-ok breadth-first 1" in r.stdout
-    assert "megatron_bfpp: installed pipeline schedule breadth-first (P=4, V=2, M=4), ZeRO-1" in r.stdout
+    assert "SCRIPT __main__ helper-ok breadth-first None" in r.stdout
+    assert "megatron_bfpp: installed pipeline schedule breadth-first (P=4, V=2, M=4) on megatron-core" in r.stdout
 
 
 def test_launcher_usage_errors(tmp_path: Path) -> None:

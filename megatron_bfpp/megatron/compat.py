@@ -3,7 +3,7 @@
 Rebinding points (checked at install time; a missing one is a loud error, never a silent no-op):
 - `megatron.training.training.get_forward_backward_func`: the only name train() and evaluate() reach the
   pipeline schedule through (0.16: called without arguments; 0.19: with `schedule_pg_collection=`).
-- ZeRO-2/3 (the plugin's own data-parallel wrapper and sharded optimizer):
+- --zero-stage 1/2/3 (the plugin's own data-parallel wrapper and sharded optimizer):
   `megatron.training.training.DDP` (get_model's wrapper class and train()'s isinstance checks),
   `megatron.training.models.dist_utils.DistributedDataParallel` (0.19's model-builder path; optional),
   `megatron.training.training.get_megatron_optimizer`, `megatron.training.training.finalize_model_grads`.

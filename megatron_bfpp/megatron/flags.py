@@ -38,10 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--zero-stage", type=int, choices=(1, 2, 3), default=None,
-        help="Schedule-placed sharded data parallelism. 1: Megatron's distributed optimizer (needs "
-        "--use-distributed-optimizer), its gradient reduce-scatter placed by the schedule; 2: also shard "
-        "gradients; 3: also shard weights, all-gathered per stage as the schedule says (megatron_bfpp's sharded "
-        "optimizer). Needs a --pipeline-schedule other than default.",
+        help="Schedule-placed sharded data parallelism with megatron_bfpp's data-parallel wrapper and sharded "
+        "Adam (replacing Megatron's DDP and optimizer). 1: shard optimizer state; 2: also gradients; 3: also "
+        "weights, all-gathered per stage where the schedule says. Needs a --pipeline-schedule other than default. "
+        "Without it, Megatron's own DDP (and --use-distributed-optimizer) run under the plugin's schedule.",
     )
     group.add_argument(
         "--bfpp-weight-buffers", type=_positive_int, default=None,

@@ -106,12 +106,13 @@ def bind_zero_stage(ddp_class: type, zero_stage: int) -> type:
 
 
 def _sharded_replacements(zero_stage: int) -> dict[str, Any]:
-    """ZeRO-2/3 replacements: wrapper class, optimizer factory, gradient finalisation."""
+    """--zero-stage replacements: wrapper class, optimizer factory, gradient finalisation."""
     try:
         from megatron_bfpp.sharded import megatron_compat
         from megatron_bfpp.sharded.finalize import finalize_model_grads
     except ImportError as e:
-        raise ImportError(f"--zero-stage 2/3 needs megatron_bfpp.sharded ({e}); reinstall megatron_bfpp") from e
+        raise ImportError(f"--zero-stage needs megatron_bfpp.sharded.megatron_compat ({e}); reinstall megatron_bfpp"
+                          ) from e
     ddp = bind_zero_stage(megatron_compat.DistributedDataParallel, zero_stage)
     return {
         "DDP": ddp,

@@ -43,8 +43,8 @@ class PluginConfig:
 
     @property
     def shards_model_state(self) -> bool:
-        """ZeRO-2/3: the plugin's data-parallel wrapper and sharded optimizer replace Megatron's."""
-        return self.zero_stage in (2, 3)
+        """--zero-stage 1/2/3: the plugin's data-parallel wrapper and sharded optimizer replace Megatron's."""
+        return self.zero_stage is not None
 
 
 # ScheduleError texts use the `bfpp schedule` flags; say the same in Megatron's. Order matters (longest first).
@@ -178,16 +178,11 @@ def validate_args(args: argparse.Namespace) -> PluginConfig:
             f"{flag} cannot run under --pipeline-schedule {schedule} (FSDP re-gathers weights on every micro-batch "
             f"and is not pipeline-aware): drop {flag} and use --zero-stage 3 for schedule-placed weight sharding"
         )
-    if zero == 1 and not distopt:
-        raise ConfigError(
-            "--zero-stage 1 is Megatron's distributed optimizer with the reduce-scatter placed by the schedule: add "
-            "--use-distributed-optimizer (and --overlap-grad-reduce to overlap it), or use --zero-stage 2/3"
-        )
-    if zero in (2, 3):
+    if zero is not None:
         if distopt:
             raise ConfigError(
-                f"--zero-stage {zero} brings its own sharded optimizer: drop --use-distributed-optimizer (or use "
-                "--zero-stage 1 to keep Megatron's distributed optimizer)"
+                f"--zero-stage {zero} brings megatron_bfpp's sharded optimizer: drop --use-distributed-optimizer, "
+                "or drop --zero-stage to keep Megatron's distributed optimizer under the plugin's schedule"
             )
         for name, flag in (("overlap_grad_reduce", "--overlap-grad-reduce"),
                            ("overlap_param_gather", "--overlap-param-gather")):
