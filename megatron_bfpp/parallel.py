@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from .runtime.p2p import channel_groups, reset_runtime_groups
+
 _P2P_GROUPS: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 _OWNS_DEFAULT_GROUP = False  # destroy_parallel only tears down a default group that init_parallel created
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -82,7 +84,8 @@ def init_parallel(
         # Megatron multiplies by timedelta(minutes=...); a float keeps sub-minute test timeouts.
         distributed_timeout_minutes=timeout.total_seconds() / 60,
     )
-    _P2P_GROUPS = _create_p2p_groups(timeout)
+    # The runtime's activation/gradient channels, created now (collectively, same order on every rank).
+    _P2P_GROUPS = channel_groups(ps.get_pipeline_model_parallel_group(), timeout.total_seconds())
 
 
 def init_single_process(distributed_timeout_seconds: float = 300) -> None:
@@ -101,28 +104,11 @@ def init_single_process(distributed_timeout_seconds: float = 300) -> None:
         init_parallel(1, distributed_timeout_seconds=distributed_timeout_seconds)
 
 
-def _create_p2p_groups(timeout: timedelta) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    # new_group is collective over the whole world: every rank must create every pipeline's groups, in the
-    # same order. Gather each rank's pipeline, dedupe, sort: a deterministic list on all ranks.
-    mine = tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()))
-    everyone: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    pipelines = sorted(set(everyone))  # type: ignore[arg-type]
-    groups = []
-    for _channel in ("activations", "gradients"):
-        own = None
-        for ranks in pipelines:
-            g = dist.new_group(list(ranks), timeout=timeout)
-            if ranks == mine:
-                own = g
-        groups.append(own)
-    return groups[0], groups[1]
-
-
 def destroy_parallel() -> None:
     """Tear down Megatron's groups, our p2p groups, and the default group if init_parallel created it."""
     global _P2P_GROUPS, _OWNS_DEFAULT_GROUP
     _P2P_GROUPS = None
+    reset_runtime_groups()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if _OWNS_DEFAULT_GROUP and dist.is_initialized():

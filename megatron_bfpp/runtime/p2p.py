@@ -47,6 +47,14 @@ def channel_groups(pp_group: dist.ProcessGroup, timeout_s: float | None = None) 
     return _CHANNEL_CACHE[mine]
 
 
+def reset_runtime_groups() -> None:
+    """Forget cached channel groups and transfer objects (call when the process groups are destroyed)."""
+    _CHANNEL_CACHE.clear()
+    from .forward_backward import _state
+
+    _state["p2p"].clear()
+
+
 @dataclass
 class PendingTransfer:
     work: dist.Work | None
