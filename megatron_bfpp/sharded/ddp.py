@@ -48,9 +48,10 @@ from .comm import Pending, RankStats
 
 ZERO_STAGES = (1, 2, 3)
 
-# Which wrapper owns a parameter: a parameter lives in exactly one flat buffer, and a replicated (tied)
-# parameter has exactly one gradient hook and one data-parallel all-reduce, however many chunks hold it.
-_OWNER: "weakref.WeakKeyDictionary[torch.nn.Parameter, weakref.ref]" = weakref.WeakKeyDictionary()
+# Which wrapper owns a parameter (a weak reference in this attribute of the parameter): a parameter lives in
+# exactly one flat buffer, and a replicated (tied) parameter has exactly one gradient hook and one
+# data-parallel all-reduce, however many chunks hold it.
+_OWNER_ATTR = "_bfpp_sharded_owner"
 
 
 def resolve_zero_stage(zero_stage: int | None, ddp_config: Any) -> int:
@@ -89,6 +90,17 @@ def resolve_groups(pg_collection: Any) -> dict[str, Any]:
         "mp": ps.get_model_parallel_group(),
         "embd": ps.get_embedding_group(check_initialized=False),
     }
+
+
+@contextlib.contextmanager
+def gathered_params(chunks, writeback: bool = False) -> Iterator[None]:
+    """`full_params` over several chunks: wrap Megatron-LM's save_checkpoint / load_checkpoint with it
+    (they read and write the unwrapped model's parameters directly); `writeback=True` for loading."""
+    with contextlib.ExitStack() as stack:
+        for c in chunks:
+            if isinstance(c, ShardedDataParallel):
+                stack.enter_context(c.full_params(writeback=writeback))
+        yield
 
 
 class _Bucket:
@@ -168,7 +180,7 @@ class ShardedDataParallel(DistributedDataParallel):
             self.params_with_grad.append(p)
             self.param_names[p] = name
             p.grad_added_to_main_grad = False
-            owner_ref = _OWNER.get(p)
+            owner_ref = getattr(p, _OWNER_ATTR, None)
             owner = owner_ref() if owner_ref is not None else None
             replicated = bool(getattr(p, "shared_embedding", False))
             if owner is not None and owner is not self:
@@ -180,7 +192,7 @@ class ShardedDataParallel(DistributedDataParallel):
                     )
                 self.replicated_params.append(p)
                 continue
-            _OWNER[p] = weakref.ref(self)
+            setattr(p, _OWNER_ATTR, weakref.ref(self))
             if replicated:
                 self.replicated_params.append(p)
                 self.owned_replicated_params.append(p)
@@ -328,6 +340,12 @@ class ShardedDataParallel(DistributedDataParallel):
         self.wait_params()
         return self.module(*inputs, **kwargs)
 
+    def set_is_first_microbatch(self) -> None:
+        """Forwarded to the chunk (Megatron's forward_step calls it on the first micro-batch)."""
+        f = getattr(self.module, "set_is_first_microbatch", None)
+        if f is not None:
+            f()
+
     def __getattr__(self, name: str):
         # Attributes the wrapper lacks (set_input_tensor, pre_process, shared_embedding_or_output_weight, ...)
         # come from the wrapped chunk, so forward_step functions written for the bare model keep working.
@@ -446,13 +464,22 @@ class ShardedDataParallel(DistributedDataParallel):
     # -- full parameters on demand (checkpointing, evaluation outside a schedule) ---------------------------
 
     @contextlib.contextmanager
-    def full_params(self) -> Iterator[None]:
-        """Within the block every parameter is gathered; ZeRO-3 buffers gathered here are freed after it."""
+    def full_params(self, writeback: bool = False) -> Iterator[None]:
+        """Within the block every parameter is gathered; ZeRO-3 buffers gathered here are freed after it.
+
+        With `writeback`, values written into the parameters inside the block (a checkpoint load) are
+        copied into this rank's shard first; the optimizer's fp32 master copies must then be refreshed
+        (ShardedOptimizer.reload_model_params, or loading the optimizer state).
+        """
         was = [b.pbuf.gathered and not b.params_stale for b in self.flat_buffers]
         self.wait_params()
         try:
             yield
         finally:
+            if writeback and self.zero_stage == 3:
+                for b in self.flat_buffers:
+                    lo, hi = b.pbuf.layout.shard_range(self.dp_rank)
+                    b.pbuf.shard.copy_(b.pbuf.full[lo:hi])
             if self.zero_stage == 3:
                 for b, keep in zip(self.flat_buffers, was):
                     if not keep and b.pbuf.gathered:
@@ -499,13 +526,8 @@ class ShardedDataParallel(DistributedDataParallel):
         return sd
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        with self.full_params():
-            result = self.module.load_state_dict(state_dict, strict=strict)
-            if self.zero_stage == 3:
-                for b in self.flat_buffers:
-                    lo, hi = b.pbuf.layout.shard_range(self.dp_rank)
-                    b.pbuf.shard.copy_(b.pbuf.full[lo:hi])
-        return result
+        with self.full_params(writeback=True):
+            return self.module.load_state_dict(state_dict, strict=strict)
 
     # -- accounting ------------------------------------------------------------------------------------------
 
