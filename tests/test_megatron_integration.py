@@ -508,3 +508,132 @@ def test_patched_script_installs_the_plugin(checkout: Path) -> None:
     r = _run_checkout_script([sys.executable, str(checkout / "pretrain_gpt.py"), *TINY, "--global-batch-size", "8",
                               "--pipeline-schedule", "breadth-first"], checkout)
     assert r.returncode == 2 and "megatron_bfpp: error: --pipeline-schedule breadth-first needs virtual stages" in r.stderr
+
+
+# ------------------------------------------------- Megatron-LM's train_step driving the plugin (4 gloo ranks)
+
+E2E = ("--num-layers 4 --hidden-size 16 --num-attention-heads 2 --seq-length 16 --max-position-embeddings 16 "
+       "--micro-batch-size 1 --global-batch-size 8 --train-iters 3 --lr 1e-2 --lr-decay-style constant "
+       "--weight-decay 0 --hidden-dropout 0 --attention-dropout 0 --seed 11 --vocab-size 128 --mock-data "
+       "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --log-interval 100 "
+       "--pipeline-schedule breadth-first --zero-stage 3").split()
+E2E_ITERS = 3
+
+
+def _cpu_model_parallel_reductions(training):
+    """train_step's two model-parallel reductions allocate on torch.cuda.current_device(); the same on CPU.
+    (Test-only; on GPU Megatron runs unmodified.)"""
+    import torch
+    import torch.distributed as dist
+
+    def reduce_max_stat(stat, group=None):
+        t = torch.tensor([-1.0 if stat is None else stat], dtype=torch.float32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return None if t.item() == -1.0 else t.item()
+
+    def logical_and(value, group=None):
+        t = torch.tensor([1 if value is True else 0], dtype=torch.int)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return bool(t.item())
+
+    for name, fn in (("reduce_max_stat_across_model_parallel_group", reduce_max_stat),
+                     ("logical_and_across_model_parallel_group", logical_and)):
+        assert "torch.cuda.current_device()" in __import__("inspect").getsource(getattr(training, name)), name
+        setattr(training, name, fn)
+
+
+def _full_params(trainer) -> dict:
+    import contextlib
+
+    from megatron_bfpp.model import global_named_parameters
+
+    with contextlib.ExitStack() as stack:
+        for c in trainer.model:
+            stack.enter_context(c.full_params())
+        return {n: p.detach().clone() for n, p in global_named_parameters(trainer.model, trainer.pp_rank, trainer.pp).items()}
+
+
+def _train_step_worker(rank: int, world: int, timeline: str) -> dict:
+    import copy
+
+    import torch.distributed as dist
+
+    from megatron_bfpp import parallel
+    from megatron_bfpp.data import gpt_forward_step
+    from megatron_bfpp.train import Trainer
+    from megatron_bfpp.train_config import parse_trainer_args
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    args = parse_trainer_args(E2E, world_size=world)
+
+    # The plugin's own path: its trainer's step (runtime + ShardedDataParallel ZeRO-3 + sharded Adam).
+    own = Trainer(args)
+    own_losses = [own.train_step()[0] for _ in range(E2E_ITERS)]
+    own_params = _full_params(own)
+    parallel.destroy_parallel()
+
+    # Megatron-LM's path: the same model, data and optimizer (same seeds), stepped by Megatron's train_step
+    # through the name install() rebinds.
+    from megatron.training import global_vars, training
+
+    mine = Trainer(args)
+    global_vars.set_global_variables(args, build_tokenizer=False)  # get_args/get_timers/get_num_microbatches
+    _cpu_model_parallel_reductions(training)
+    # The wrappers and optimizer are built above (as Megatron's get_model/get_megatron_optimizer would with
+    # --zero-stage); install() here rebinds the schedule, with --timeline recording.
+    schedule_args = copy.copy(args)
+    schedule_args.zero_stage, schedule_args.timeline = None, timeline
+    from megatron_bfpp.megatron import install, uninstall
+
+    install(schedule_args)
+    try:
+        forward_backward = training.get_forward_backward_func(schedule_pg_collection=None)
+        megatron_losses, grad_norms = [], []
+        for it in range(E2E_ITERS):
+            out = training.train_step(gpt_forward_step, mine.data_iterators, mine.model, mine.optimizer,
+                                      mine.scheduler, mine.config, forward_backward, iteration=it)
+            loss_dict, skipped, _, should_exit, _, grad_norm = out[:6]
+            assert skipped == 0 and not should_exit
+            megatron_losses.append(float(loss_dict["lm loss"]) if loss_dict else None)
+            grad_norms.append(grad_norm)
+    finally:
+        uninstall()
+        global_vars.unset_global_variables()
+    return {"rank": rank, "pp_rank": mine.pp_rank, "last_stage": mine.is_last_stage, "own_losses": own_losses,
+            "megatron_losses": megatron_losses, "grad_norms": grad_norms, "own_params": own_params,
+            "megatron_params": _full_params(mine)}
+
+
+@pytest.mark.timeout(600)
+def test_megatron_train_step_matches_plugin_trainer(tmp_path: Path) -> None:
+    """P = 2, V = 2, D = 2, breadth-first, ZeRO-3: three iterations of Megatron-LM's own train_step over the
+    plugin's schedule and sharded optimizer give the losses and parameters of the plugin's trainer."""
+    import torch
+
+    from megatron_bfpp.megatron.timeline import merge
+    from tests.distributed import run_distributed
+
+    timeline = tmp_path / "timeline.json"
+    results = run_distributed(_train_step_worker, 4, str(timeline), timeout=540)
+    last = [r for r in results if r["last_stage"]]
+    assert len(last) == 2  # D = 2 last-stage ranks report the loss
+    for r in results:
+        assert all(g is not None and g > 0 for g in r["grad_norms"])
+        if r["last_stage"]:
+            assert torch.allclose(torch.tensor(r["megatron_losses"], dtype=torch.float64),
+                                  torch.tensor(r["own_losses"], dtype=torch.float64), rtol=1e-5, atol=1e-6), r
+            assert r["own_losses"][-1] < r["own_losses"][0]  # it trains
+        else:
+            assert r["megatron_losses"] == [None] * E2E_ITERS
+        assert r["own_params"].keys() == r["megatron_params"].keys()
+        for name, p in r["own_params"].items():
+            torch.testing.assert_close(r["megatron_params"][name], p, rtol=1e-5, atol=1e-6, msg=name)
+    # --timeline: every rank recorded the training iterations; merged into one Chrome trace.
+    path, n = merge(timeline)
+    assert n == 4
+    from megatron_bfpp.trace.chrome import load_chrome_trace
+
+    events = load_chrome_trace(path)
+    assert {e.rank for e in events} == {0, 1, 2, 3}
+    assert {e.iteration for e in events} == set(range(E2E_ITERS))
+    assert {"F", "B", "GATHER", "REDUCE"} <= {e.op for e in events}
