@@ -55,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--timeline", metavar="PATH", default=None,
-        help="Record a per-rank timeline of the plugin runtime's actions to PATH (Chrome trace JSON; one file per "
-        "rank, the rank inserted before the extension). Needs a --pipeline-schedule other than default.",
+        help="Record the plugin runtime's actions of the first training iterations: one event file per rank "
+        "(PATH with .rank<R> before the extension); `python -m megatron_bfpp.megatron.timeline PATH` merges them "
+        "into a Chrome trace at PATH. Needs a --pipeline-schedule other than default.",
     )
     return parser
 
