@@ -383,6 +383,26 @@ def test_hooked_parsing_accepts_flags_and_installs(restore, monkeypatch: pytest.
     assert "megatron_bfpp: error: --pipeline-schedule breadth-first needs virtual stages" in capsys.readouterr().err
 
 
+def test_install_after_validation_for_scripts_with_their_own_provider(restore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the core_v0.16.1 patch uses: only validation is hooked; the script passes the provider itself."""
+    from megatron.training import arguments
+    from megatron.training.global_vars import unset_global_variables
+
+    parse_before = arguments.parse_args
+    names = bm.install_after_validation()
+    assert "megatron.training.arguments.validate_args" in names and arguments.parse_args is parse_before
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY, *VIRTUAL, "--global-batch-size", "16",
+                                      "--pipeline-schedule", "interleaved-1f1b"])
+    try:
+        arguments.parse_and_validate_args(extra_args_provider=bm.extra_args_provider(None))
+    finally:
+        unset_global_variables()
+    cfg = bm.installed_config()
+    assert (cfg.pipeline_schedule, cfg.train_microbatches) == ("interleaved-1f1b", (8,))
+
+
 FAKE_SCRIPT = '''
 from helper_next_to_script import MARK  # the launcher puts the script's directory on sys.path
 from megatron.training.arguments import parse_and_validate_args
