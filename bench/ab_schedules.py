@@ -1,0 +1,380 @@
+#!/usr/bin/env python3
+"""A/B/C: step time of pipeline schedules on the same Megatron-Core GPT, measured side by side in one run.
+
+Variants (every one on its own copy of the same model, identically initialised, on the same micro-batches):
+
+  ours-bf            megatron_bfpp breadth-first (one group of all M micro-batches)
+  ours-interleaved   megatron_bfpp interleaved-1f1b with G = P (isolates runtime overhead from schedule order)
+  stock-G=M          Megatron-Core forward_backward_pipelining_with_interleaving, microbatch group size G = M
+  stock-G=P          the same with G = P (Megatron's default, depth-first)
+  torch-loopedbfs    torch.distributed.pipelining.ScheduleLoopedBFS over the very same GPT chunks, each wrapped
+                     in an nn.Module taking one tensor (tokens on the first stage, hidden states [s, b, h]
+                     after it) and returning one (hidden states, or logits [b, s, vocab] on the last stage),
+                     with a masked per-micro-batch cross-entropy as loss_fn (Megatron's normalisation)
+
+Stock Megatron runs on CPU through tests/megatron_cpu_shim.py (test/benchmark only) with the p2p
+configuration Megatron-LM uses for interleaving (overlap_p2p_comm=True, batch_p2p_comm=False).
+
+A step is: zero grads, the schedule's forward-backward over M micro-batches, the tied-embedding gradient
+all-reduce, the data-parallel gradient all-reduce (D > 1), an Adam step; timed between two barriers on
+every rank. Repetitions are interleaved (A B C D E A B C D E ...) so drift hits every variant alike; the
+first --warmup rounds are dropped. The report gives medians, quartiles and ratios to ours-bf, and checks that
+all variants start from the same loss (same model, same data: a failed check means the comparison is void).
+
+On CPU with gloo and tiny models this measures schedule and runtime overheads (Python dispatch, p2p
+latency, bubbles at CPU speed), not GPU performance.
+
+    python bench/ab_schedules.py                        # 4 processes: P=4 V=2 (D=1), then P=2 V=2 (D=2)
+    python bench/ab_schedules.py --layouts 2x2 --reps 30 --hidden-size 128
+    torchrun --nproc-per-node 4 bench/ab_schedules.py   # same, launched by torchrun
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import os
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # tests/megatron_cpu_shim.py lives in the repository, not in the package
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+VARIANTS = ("ours-bf", "ours-interleaved", "stock-G=M", "stock-G=P", "torch-loopedbfs")
+STOCK_P2P = {"overlap_p2p_comm": True, "batch_p2p_comm": False}
+CSV_FIELDS = ("P", "V", "D", "M", "micro_batch_size", "num_layers", "hidden_size", "seq_length", "variant",
+              "group_size", "median_ms", "p25_ms", "p75_ms", "ratio_to_ours_bf", "reps", "step0_loss")
+
+
+# --------------------------------------------------------------------------------------------------- args
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layouts", default="4x2,2x2",
+                   help="comma-separated PxV pipeline layouts (P = pipeline size, V = chunks per rank)")
+    p.add_argument("--nproc", type=int, default=4, help="processes to spawn when not under torchrun")
+    p.add_argument("--microbatches", type=int, default=8, help="M, micro-batches per step per pipeline")
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--layers-per-stage", type=int, default=1)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--reps", type=int, default=15, help="timed rounds (each runs every variant once)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "ab_schedules.csv"))
+    args = p.parse_args(argv)
+    try:
+        args.layouts = [tuple(int(x) for x in item.lower().split("x")) for item in args.layouts.split(",")]
+        assert all(len(lv) == 2 and lv[0] >= 2 and lv[1] >= 2 for lv in args.layouts)
+    except (ValueError, AssertionError):
+        p.error(f"--layouts {args.layouts!r}: give PxV pairs with P >= 2 and V >= 2, e.g. 4x2,2x2")
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown or "ours-bf" not in args.variants:
+        p.error(f"--variants: unknown {sorted(unknown)} or ours-bf missing (ratios are to ours-bf); "
+                f"choose from {','.join(VARIANTS)}")
+    for pp, _ in args.layouts:
+        if args.microbatches < pp:
+            p.error(f"--microbatches {args.microbatches} < P={pp}: stock interleaving needs M >= P")
+    if args.reps < 1 or args.warmup < 1:
+        p.error("--reps and --warmup must be >= 1 (the first round also checks the losses)")
+    return args
+
+
+# -------------------------------------------------------------------------------------------------- model
+def _config(args: argparse.Namespace, pp: int, vp: int):
+    from megatron_bfpp.model import make_transformer_config
+
+    return make_transformer_config(num_layers=pp * vp * args.layers_per_stage, hidden_size=args.hidden_size,
+                                   num_attention_heads=args.num_attention_heads, hidden_dropout=0.0,
+                                   attention_dropout=0.0, pipeline_model_parallel_size=pp,
+                                   virtual_pipeline_model_parallel_size=vp)
+
+
+def _chunks(args: argparse.Namespace, pp: int, vp: int) -> list[torch.nn.Module]:
+    from megatron.core import parallel_state as ps
+
+    from megatron_bfpp.model import build_model_chunks
+
+    return build_model_chunks(_config(args, pp, vp), vocab_size=args.vocab_size,
+                              max_sequence_length=args.seq_length, pp_rank=ps.get_pipeline_model_parallel_rank(),
+                              pp_size=pp, vp_size=vp, seed=args.seed)
+
+
+class StageModule(torch.nn.Module):
+    """One Megatron GPT chunk as a one-tensor-in, one-tensor-out module for torch.distributed.pipelining."""
+
+    def __init__(self, chunk: torch.nn.Module, seq_length: int) -> None:
+        super().__init__()
+        from megatron_bfpp.data import causal_mask
+
+        self.chunk = chunk
+        self.mask = causal_mask(seq_length)
+        self.positions = torch.arange(seq_length)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.chunk.pre_process:  # x: tokens [b, s]
+            return self.chunk(x, self.positions.expand(x.shape[0], -1), self.mask)
+        self.chunk.set_input_tensor(x)  # x: hidden states [s, b, h], as Megatron's schedules pass them
+        return self.chunk(None, None, self.mask)
+
+
+def masked_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-micro-batch loss_sum / num_tokens (Megatron's normalisation); target = stack(labels, loss_mask)."""
+    labels, mask = target[:, 0], target[:, 1].float()
+    ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    return (ce * mask.flatten()).sum() / mask.sum().clamp(min=1)
+
+
+# ------------------------------------------------------------------------------------------------ variants
+@dataclass
+class Variant:
+    name: str
+    group_size: int | None
+    chunks: list[torch.nn.Module]
+    step: Callable[[list[dict]], list[float]]  # micro-batches -> per-micro-batch losses (last stage, else [])
+
+
+def _dp_allreduce(params: list[torch.nn.Parameter]) -> None:
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat, group=group)
+    flat /= torch.distributed.get_world_size(group)
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset:offset + g.numel()].view_as(g)
+        offset += g.numel()
+
+
+def _finish(chunks: list[torch.nn.Module], opt: torch.optim.Optimizer) -> None:
+    from megatron_bfpp.model import allreduce_tied_embedding_grads
+
+    allreduce_tied_embedding_grads(chunks)
+    _dp_allreduce([p for c in chunks for p in c.parameters()])
+    opt.step()
+
+
+def _megatron_variant(args, pp: int, vp: int, m: int, name: str) -> Variant:
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_bfpp.data import gpt_forward_step
+    from megatron_bfpp.runtime import get_forward_backward_func
+    from tests.megatron_cpu_shim import stock_schedules_on_cpu
+
+    chunks = _chunks(args, pp, vp)
+    opt = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=1e-4)
+    group = {"ours-bf": None, "ours-interleaved": pp, "stock-G=M": m, "stock-G=P": pp}[name]
+    if name.startswith("stock"):
+        for key, value in {**STOCK_P2P, "microbatch_group_size_per_vp_stage": group}.items():
+            setattr(chunks[0].config, key, value)
+
+        def fb(**kw: Any):
+            with stock_schedules_on_cpu():
+                return schedules.forward_backward_pipelining_with_interleaving(**kw)
+    else:
+        fb = get_forward_backward_func("breadth-first" if name == "ours-bf" else "interleaved-1f1b", group)
+
+    def step(batches: list[dict]) -> list[float]:
+        opt.zero_grad()
+        store = fb(forward_step_func=gpt_forward_step, data_iterator=[iter(batches) for _ in chunks],
+                   model=chunks, num_microbatches=m, seq_length=args.seq_length,
+                   micro_batch_size=args.micro_batch_size)
+        _finish(chunks, opt)
+        return [float(d["lm loss"][0] / d["lm loss"][1]) for d in store]
+
+    return Variant(name, group, chunks, step)
+
+
+def _torch_variant(args, pp: int, vp: int, m: int) -> Variant:
+    from megatron.core import parallel_state as ps
+    from torch.distributed.pipelining import PipelineStage, ScheduleLoopedBFS
+
+    chunks = _chunks(args, pp, vp)
+    rank, group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
+    stages = [PipelineStage(StageModule(c, args.seq_length), k * pp + rank, pp * vp, torch.device("cpu"),
+                            group=group) for k, c in enumerate(chunks)]
+    schedule = ScheduleLoopedBFS(stages, m, loss_fn=masked_ce)
+    opt = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=1e-4)
+    first, last = any(c.pre_process for c in chunks), any(c.post_process for c in chunks)
+
+    def step(batches: list[dict]) -> list[float]:
+        opt.zero_grad()
+        inputs = (torch.cat([b["tokens"] for b in batches]),) if first else ()
+        kwargs: dict[str, Any] = {}
+        losses: list[torch.Tensor] = []
+        if last:
+            kwargs = {"target": torch.cat([torch.stack([b["labels"], b["loss_mask"].long()], 1) for b in batches]),
+                      "losses": losses}
+        schedule.step(*inputs, **kwargs)
+        _finish(chunks, opt)
+        return [float(x.detach()) for x in losses]
+
+    return Variant("torch-loopedbfs", None, chunks, step)
+
+
+# ------------------------------------------------------------------------------------------------ running
+def _microbatches(args, m: int, count: int) -> list[list[dict]]:
+    """`count` global batches of Megatron's mock GPT data, this data-parallel rank's M micro-batches each."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_bfpp.data import global_batch_microbatches, make_microbatch_iterators
+
+    d = ps.get_data_parallel_world_size()
+    (it,) = make_microbatch_iterators(seq_length=args.seq_length, vocab_size=args.vocab_size,
+                                      global_batch_size=m * args.micro_batch_size * d,
+                                      micro_batch_size=args.micro_batch_size, dp_rank=ps.get_data_parallel_rank(),
+                                      dp_size=d, seed=args.seed, train_iters=count)
+    return [global_batch_microbatches(it, m) for _ in range(count)]
+
+
+def _timed(step: Callable[[list[dict]], list[float]], batches: list[dict]) -> tuple[float, list[float]]:
+    torch.distributed.barrier()
+    t0 = time.perf_counter()
+    losses = step(batches)
+    torch.distributed.barrier()  # the step ends when the slowest rank ends
+    return time.perf_counter() - t0, losses
+
+
+def run_layout(args, pp: int, vp: int) -> list[dict]:
+    from megatron.core import parallel_state as ps
+
+    from megatron_bfpp import parallel
+
+    parallel.init_parallel(pp, vp, distributed_timeout_seconds=300)
+    m = args.microbatches
+    data = _microbatches(args, m, 4)
+    variants = [(_torch_variant(args, pp, vp, m) if name == "torch-loopedbfs" else
+                 _megatron_variant(args, pp, vp, m, name)) for name in args.variants]
+    times: dict[str, list[float]] = {v.name: [] for v in variants}
+    step0: dict[str, list[float]] = {}
+    for rnd in range(args.warmup + args.reps):
+        for v in variants:  # A B C ... each round: drift shared by all
+            dt, losses = _timed(v.step, data[rnd % len(data)])
+            if rnd == 0:
+                step0[v.name] = losses
+            if rnd >= args.warmup:
+                times[v.name].append(dt)
+    # Step-0 losses from the last stage of the first pipeline (data-parallel rank 0).
+    holder = ps.get_data_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == (pp * vp - 1) % pp
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, step0 if holder else None)
+    losses0 = next(g for g in gathered if g is not None)
+    rows = []
+    ours = statistics.median(times["ours-bf"])
+    for v in variants:
+        t = sorted(times[v.name])
+        q = statistics.quantiles(t, n=4) if len(t) > 1 else [t[0]] * 3
+        rows.append({"P": pp, "V": vp, "D": ps.get_data_parallel_world_size(), "M": m, "micro_batch_size": args.micro_batch_size,
+                     "num_layers": pp * vp * args.layers_per_stage, "hidden_size": args.hidden_size,
+                     "seq_length": args.seq_length, "variant": v.name,
+                     "group_size": v.group_size if v.group_size is not None else m,
+                     "median_ms": 1e3 * statistics.median(t), "p25_ms": 1e3 * q[0], "p75_ms": 1e3 * q[2],
+                     "ratio_to_ours_bf": statistics.median(t) / ours, "reps": len(t),
+                     "step0_loss": statistics.fmean(losses0[v.name]), "step0_losses": losses0[v.name]})
+    ps.destroy_model_parallel()
+    return rows
+
+
+def check_losses(rows: list[dict], rtol: float = 1e-5) -> tuple[float, list[str]]:
+    """Every variant of a layout must compute the same per-micro-batch losses in its first step (same weights,
+    same data). Returns the largest relative difference seen and the disagreements beyond rtol."""
+    problems, worst = [], 0.0
+    for key in sorted({(r["P"], r["V"]) for r in rows}):
+        group = [r for r in rows if (r["P"], r["V"]) == key]
+        ref = group[0]["step0_losses"]
+        for r in group:
+            got = r["step0_losses"]
+            if len(got) != len(ref):
+                problems.append(f"P={key[0]} V={key[1]}: {r['variant']} returned {len(got)} losses, not {len(ref)}")
+                continue
+            diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, ref)), default=0.0)
+            worst = max(worst, diff)
+            if diff > rtol:
+                problems.append(f"P={key[0]} V={key[1]}: {r['variant']} differs from {group[0]['variant']} "
+                                f"by {diff:.2e} (relative) in its first-step losses")
+    return worst, problems
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| P | V | D | M | variant | G | median step (ms) | p25-p75 (ms) | ratio to ours-bf |",
+             "|---|---|---|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['P']} | {r['V']} | {r['D']} | {r['M']} | {r['variant']} | {r['group_size']} | "
+                     f"{r['median_ms']:.1f} | {r['p25_ms']:.1f}-{r['p75_ms']:.1f} | {r['ratio_to_ours_bf']:.2f} |")
+    return "\n".join(lines)
+
+
+def worker(args: argparse.Namespace) -> None:
+    from megatron_bfpp import parallel
+    from megatron_bfpp.runtime import set_wait_timeout
+
+    torch.set_num_threads(1)
+    set_wait_timeout(300)
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # dataset-builder chatter
+    warnings.filterwarnings("ignore")
+    rows: list[dict] = []
+    for pp, vp in args.layouts:
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() % pp:
+            raise SystemExit(f"--layouts {pp}x{vp}: world size {torch.distributed.get_world_size()} is not a "
+                             f"multiple of P={pp}; change --nproc or --layouts")
+        rows += run_layout(args, pp, vp)
+    if torch.distributed.get_rank() == 0:
+        print(markdown_table(rows))
+        worst, problems = check_losses(rows)
+        print("first-step per-micro-batch losses: " + (
+            f"all variants agree (max relative difference {worst:.1e}): same model, same data" if not problems
+            else "DISAGREE, the comparison is void:\n  " + "\n  ".join(problems)))
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            w.writeheader()
+            for r in rows:
+                w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items() if k in CSV_FIELDS})
+        print(f"wrote {out}")
+    parallel.destroy_parallel()
+
+
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    worker(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # under torchrun
+        worker(args)
+        return 0
+    import socket
+
+    import torch.multiprocessing as mp
+
+    for pp, vp in args.layouts:
+        if args.nproc % pp:
+            raise SystemExit(f"--nproc {args.nproc} is not a multiple of P={pp} (--layouts {pp}x{vp})")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_spawned, args=(args.nproc, port, args), nprocs=args.nproc, start_method="spawn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
