@@ -657,3 +657,26 @@ def test_megatron_train_step_matches_plugin_trainer(tmp_path: Path) -> None:
     assert {e.rank for e in events} == {0, 1, 2, 3}
     assert {e.iteration for e in events} == set(range(E2E_ITERS))
     assert {"F", "B", "GATHER", "REDUCE"} <= {e.op for e in events}
+
+
+def test_timeline_recorder_records_training_calls_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_bfpp.megatron.timeline import TimelineRecorder, merge, rank_file
+    from megatron_bfpp.runtime import forward_backward as fb_module
+
+    monkeypatch.setenv("RANK", "3")
+    seen = []
+
+    def fake_forward_backward(**kwargs):
+        rec = fb_module._state["recorder"]
+        seen.append((kwargs.get("forward_only", False), None if rec is None else rec.iteration))
+        return []
+
+    path = tmp_path / "tl.json"
+    wrapped = TimelineRecorder(str(path), iterations=2).wrap(fake_forward_backward)
+    for forward_only in (False, True, False, False):
+        wrapped(forward_only=forward_only)
+    assert seen == [(False, 0), (True, None), (False, 1), (False, None)]  # evaluation and later steps unrecorded
+    assert rank_file(path, 3) == tmp_path / "tl.rank3.json" and rank_file(path, 3).is_file()
+    assert fb_module._state["recorder"] is None
+    with pytest.raises(FileNotFoundError, match="no rank files"):
+        merge(tmp_path / "other.json")
