@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import io
 import json
-import math
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .faults import FaultInjector
 from .train_config import TrainerConfigError, parse_trainer_args
 
 
@@ -55,13 +55,17 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.config, self.model, self.optimizer = self._build_model_and_optimizer()
         self.scheduler = self._build_lr_scheduler()
+        self.faults = FaultInjector.from_env(self.rank)
+        # Resume (--load) before the data iterators exist: they start at the checkpoint's data position.
+        self.iteration, self.consumed_samples = self._load_checkpoint()
         self.data_iterators = self._build_data()
         self.forward_backward = get_forward_backward_func(
             args.pipeline_schedule, args.microbatch_group_size_per_vp_stage,
             weight_buffers=args.bfpp_weight_buffers or 2, grad_buffers=args.bfpp_grad_buffers or 2,
         )
-        self.iteration = 0
         self.losses: list[float] = []
+        self.skipped_iterations: list[int] = []
+        self.loss_scales: list[float] = []
         self.iteration_times: list[float] = []
         self.ps = ps
 
@@ -122,8 +126,30 @@ class Trainer:
             seq_length=a.seq_length, vocab_size=a.padded_vocab_size, global_batch_size=a.global_batch_size,
             micro_batch_size=a.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp, seed=a.seed,
             train_iters=a.train_iters, data_path=a.data_path or None, num_chunks=self.vp,
-            data_cache_path=a.data_cache_path,
+            data_cache_path=a.data_cache_path, consumed_samples=self.consumed_samples,
         )
+
+    # -- checkpoints (megatron_bfpp.checkpoint) ----------------------------------------------------------------
+
+    def _load_checkpoint(self) -> tuple[int, int]:
+        if not self.args.load:
+            return 0, 0
+        from .checkpoint import load_checkpoint
+
+        log = _log if self.rank == 0 else (lambda msg: None)
+        return load_checkpoint(self.args.load, args=self.args, model=self.model, optimizer=self.optimizer,
+                               scheduler=self.scheduler, log=log)
+
+    def save_checkpoint(self) -> None:
+        from .checkpoint import save_checkpoint
+
+        t0 = time.perf_counter()
+        path = save_checkpoint(self.args.save, self.iteration, args=self.args, model=self.model,
+                               optimizer=self.optimizer, scheduler=self.scheduler,
+                               consumed_samples=self.consumed_samples,
+                               before_commit=lambda: self.faults.at(self.iteration, "save"))
+        if self.rank == 0:
+            _log(f"saved checkpoint {path} (iteration {self.iteration}) in {time.perf_counter() - t0:.2f} s")
 
     # -- training ---------------------------------------------------------------------------------------------
 
@@ -136,10 +162,16 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         store = self.forward_backward(
-            forward_step_func=gpt_forward_step, data_iterator=self.data_iterators, model=self.model,
+            forward_step_func=self.faults.wrap_forward_step(gpt_forward_step, self.iteration),
+            data_iterator=self.data_iterators, model=self.model,
             num_microbatches=self.num_microbatches, seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size, forward_only=False,
         )
+        if self.args.check_for_nan_in_loss_and_grad:  # Megatron's semantics: stop before the update
+            from .faults import check_numerics
+
+            check_numerics([item["lm loss"] for item in store], self.optimizer._all_main_grads(), self.iteration)
+        self.faults.at(self.iteration, "optimizer")
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=self.args.global_batch_size)
@@ -166,6 +198,9 @@ class Trainer:
         recorder = ActionRecorder(self.rank)
         set_recorder(recorder)
         tokens_per_iter = a.global_batch_size * a.seq_length
+        if self.iteration >= a.train_iters and self.rank == 0:
+            _log(f"nothing to do: the checkpoint is at iteration {self.iteration} >= --train-iters {a.train_iters}")
+        saved = True
         while self.iteration < a.train_iters:
             self.iteration += 1
             recorder.enabled = self.iteration in record_iters
@@ -175,14 +210,29 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
+            self.consumed_samples += a.global_batch_size
             self.losses.append(loss)
             self.iteration_times.append(dt)
-            if a.check_for_nan_in_loss_and_grad and not math.isfinite(loss):
-                raise FloatingPointError(f"rank {self.rank}: iteration {self.iteration}: lm loss is {loss} "
-                                         "(--check-for-nan-in-loss-and-grad)")
-            if self.rank == 0 and (self.iteration % a.log_interval == 0 or self.iteration == a.train_iters):
+            scale = self.optimizer.get_loss_scale()
+            self.loss_scales.append(float(scale.item() if torch.is_tensor(scale) else scale))
+            if not ok:
+                self.skipped_iterations.append(self.iteration)
+            if self.rank == 0 and (self.iteration % a.log_interval == 0 or self.iteration == a.train_iters
+                                   or not ok):
                 _log(self._log_line(loss, dt, tokens_per_iter, grad_norm, ok))
+            saved = False
+            if a.save and a.save_interval and self.iteration % a.save_interval == 0:
+                self.save_checkpoint()
+                saved = True
+            if a.exit_interval and self.iteration % a.exit_interval == 0:
+                if self.rank == 0:
+                    _log(f"exiting at iteration {self.iteration} (--exit-interval {a.exit_interval})")
+                break
+        if a.save and not saved:  # as Megatron-LM: the last iteration is always saved
+            self.save_checkpoint()
         set_recorder(None)
+        if not self.losses:  # resumed at or past --train-iters
+            return {}
         report = self._report(recorder)
         return report
 
@@ -228,6 +278,9 @@ class Trainer:
             report = {
                 "config": self._config_dict(),
                 "losses": self.losses,
+                "first_iteration": self.iteration - len(self.losses) + 1,
+                "skipped_iterations": self.skipped_iterations,
+                "loss_scales": self.loss_scales,
                 "iteration_times_s": times,
                 "tokens_per_s": a.global_batch_size * a.seq_length / median,
                 "comm": [g["comm"] for g in gathered],
@@ -317,13 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     except TrainerConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    trainer = Trainer(args)
-    try:
-        trainer.run()
-    finally:
-        from . import parallel
+    from . import parallel
+    from .faults import report_failure
 
-        parallel.destroy_parallel()
+    try:
+        Trainer(args).run()
+    except Exception as e:  # a failure on any rank: report it, exit non-zero, never hang in teardown
+        return report_failure(e, dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0)))
+    parallel.destroy_parallel()
     return 0
 
 

@@ -198,12 +198,24 @@ def parse_trainer_args(argv: list[str], world_size: int | None = None) -> argpar
     check_trainer_args(args, world_size)
     os.environ.setdefault("WORLD_SIZE", str(world_size))
     os.environ.setdefault("RANK", "0")
+    # Megatron's own interleaved schedule needs P > 1 (validate_args asserts it); ours also loops V chunks on
+    # one rank (P = 1), so Megatron checks that case without the virtual-stage flags.
+    vp = args.virtual_pipeline_model_parallel_size
+    looped_single_rank = args.pipeline_model_parallel_size == 1 and (vp or 1) > 1
+    hidden = {k: getattr(args, k) for k in ("num_layers_per_virtual_pipeline_stage",
+                                            "num_virtual_stages_per_pipeline_rank")} if looped_single_rank else {}
+    for k in hidden:
+        setattr(args, k, None)
     quiet = io.StringIO()
     try:
         with contextlib.redirect_stdout(quiet):  # Megatron prints every argument
             validate_args(args)
     except AssertionError as e:
         raise TrainerConfigError(f"Megatron-LM rejected the arguments: {e}") from None
+    for k, v in hidden.items():
+        setattr(args, k, v)
+    if looped_single_rank:
+        args.virtual_pipeline_model_parallel_size = vp
     divisible = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = -(-args.vocab_size // divisible) * divisible
     args.virtual_pipeline_model_parallel_size = (args.virtual_pipeline_model_parallel_size
