@@ -58,7 +58,7 @@ def _free_port() -> int:
 
 # ---------------------------------------------------------------- collective micro-benchmark
 
-_SIZES = [2**k for k in range(12, 19)]  # fp32 elements: 16 KiB .. 1 MiB
+_SIZES = [2**k for k in range(12, 21)]  # fp32 elements: 16 KiB .. 4 MiB
 
 
 def _bench_worker(rank: int, port: int, out: str) -> None:
@@ -126,9 +126,11 @@ def run_trainer(name: str, iters: int, workdir: Path) -> tuple[dict, dict]:
     if lpv is not None:
         cmd += ["--num-layers-per-virtual-pipeline-stage", str(lpv)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    log = workdir / f"{name}.log"
+    log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.splitlines()[-15:])
-        raise RuntimeError(f"trainer failed for {name} (rc {proc.returncode}):\n{tail}")
+        errors = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error:" in ln][:5]
+        raise RuntimeError(f"trainer failed for {name} (rc {proc.returncode}, log {log}): " + " | ".join(errors))
     return json.loads(report.read_text()), json.loads(timeline.read_text())
 
 
@@ -189,9 +191,15 @@ def predict(name: str, report: dict, trace: dict, coll: dict[str, tuple[float, f
     costs.param_sync = [0.0] * n_stages  # ZeRO-1/2: the trainer all-gathers in its optimizer step, measured above
     sched = make_schedule(sched_name, pp, vp, m, cfg.get("group_size"), zero_stage=zero)
     sim = simulate_schedule(sched, costs, record_events=False)
-    measured = statistics.median(report["iteration_times_s"][i - 1] for i in test)
+    # Same costs with communication that cannot overlap compute (no spare core for gloo's threads).
+    costs.dp_overlap = costs.p2p_overlap = False
+    serial = simulate_schedule(sched, costs, record_events=False)
+    times = [report["iteration_times_s"][i - 1] for i in test]
+    measured = statistics.median(times)
     return {"config": name, "P": pp, "V": vp, "D": dp, "M": m, "ZeRO": zero, "predicted_s": sim.step_time_s,
-            "measured_s": measured, "ratio": sim.step_time_s / measured,
+            "predicted_no_overlap_s": serial.step_time_s, "measured_s": measured, "measured_min_s": min(times),
+            "measured_max_s": max(times), "ratio": sim.step_time_s / measured,
+            "ratio_no_overlap": serial.step_time_s / measured,
             "predicted_bubble": sim.bubble_fraction, "outside_schedule_s": outside}
 
 
@@ -213,16 +221,29 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         for name in args.only:
             t0 = time.time()
-            report, trace = run_trainer(name, args.iters, work)
+            try:
+                report, trace = run_trainer(name, args.iters, work)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                print(f"  {name}: {e}", file=sys.stderr)
+                rows.append({"config": name, "failed": str(e)})
+                continue
             row = predict(name, report, trace, coll, args.iters)
+            row["load_average_1min"] = os.getloadavg()[0]
             rows.append(row)
             print(f"  {name}: predicted {row['predicted_s'] * 1e3:.1f} ms, measured {row['measured_s'] * 1e3:.1f} ms "
-                  f"({time.time() - t0:.0f} s)", file=sys.stderr)
-    print("| configuration | P | V | D | M | ZeRO | predicted ms | measured ms | predicted / measured |")
-    print("|---|---|---|---|---|---|---|---|---|")
+                  f"({time.time() - t0:.0f} s, load {row['load_average_1min']:.0f})", file=sys.stderr)
+    print(f"machine: {os.cpu_count()} cores\n")
+    print("| configuration | P | V | D | M | ZeRO | predicted ms | predicted, no overlap ms | measured ms (min-max) "
+          "| predicted / measured | no overlap / measured | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if "failed" in r:
+            print(f"| {r['config']} | trainer failed: {r['failed'][:80]} |")
+            continue
         print(f"| {r['config']} | {r['P']} | {r['V']} | {r['D']} | {r['M']} | {r['ZeRO']} | "
-              f"{r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | {r['ratio']:.2f} |")
+              f"{r['predicted_s'] * 1e3:.0f} | {r['predicted_no_overlap_s'] * 1e3:.0f} | {r['measured_s'] * 1e3:.0f} "
+              f"({r['measured_min_s'] * 1e3:.0f}-{r['measured_max_s'] * 1e3:.0f}) | {r['ratio']:.2f} | "
+              f"{r['ratio_no_overlap']:.2f} | {r['load_average_1min']:.0f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -2,7 +2,8 @@
 configurations that fit in memory by simulated throughput, and say why the most promising others failed.
 
 The search is exact for the top K and fast: every configuration first gets an upper bound on its throughput
-(from compute alone: the busiest rank's F/B time plus the optimizer step, no bubble and no communication),
+(from compute alone: the busiest rank's F/B time, the P-1 stage forwards before it can start and backwards
+after it ends, and the optimizer step; no communication),
 candidates are visited best bound first, and the search stops once the K-th best simulated throughput beats
 the next bound. Schedules are built once per pipeline shape and shared across configurations.
 """
@@ -16,7 +17,7 @@ from ..schedule import SCHEDULE_NAMES, ScheduleError
 from .costs import ADAM_BYTES_PER_PARAM, Config, Placement, head_times, layer_times, memory_breakdown
 from .hardware import GIB, Hardware
 from .model import GPTModel, Partition
-from .predict import Prediction, check_config, config_dict, memory, predict, schedule_for
+from .predict import Prediction, check_config, config_dict, memory, predict
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -120,11 +121,14 @@ class _Bounds:
         hf, hb = self._head(cfg.tp, cfg.micro_batch_size)
         per_layer = lf + lb + (lf if cfg.recompute else 0.0)
         busiest = cfg.microbatches * (part.layers_per_stage * cfg.vp * per_layer + hf + hb)  # rank with the head
+        # The last rank (it holds the head) cannot start before P-1 forwards of a stage ran upstream, and after
+        # its last backward P-1 backwards of a stage still follow downstream: whatever the schedule.
+        fill_drain = (cfg.pp - 1) * part.layers_per_stage * per_layer
         chain = self.model.num_layers * per_layer + hf + hb  # one micro-batch through every stage
         phi = max(part.rank_params(r) for r in (0, cfg.pp - 1))
         shard = phi if cfg.zero_stage == 0 else phi / cfg.dp
         opt = ADAM_BYTES_PER_PARAM * shard / (self.hw.hbm_bandwidth * self.hw.memory_efficiency)
-        return max(busiest, chain) + opt
+        return max(busiest + fill_drain, chain) + opt
 
     def static_memory(self, cfg: Config, part: Partition) -> float:
         return max(memory_breakdown(part, cfg, r, 0.0)["total"] for r in {0, cfg.pp - 1})
@@ -217,11 +221,10 @@ def plan(model: GPTModel, hw: Hardware, gpus: int, global_batch: int, space: Sea
             continue
         try:
             check_config(model, hw, cfg)
-            sched = schedule_for(cfg)
+            mem = memory(model, cfg)
         except (ValueError, ScheduleError) as e:
             rejected.append(Rejection(cfg, str(e), bound))
             continue
-        mem = memory(model, cfg, sched)
         peak = max(m["total"] for m in mem)
         if peak > usable:
             worst = max(mem, key=lambda m: m["total"])

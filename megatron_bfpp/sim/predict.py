@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass, field
 
-from ..schedule import Schedule, ScheduleError, build, lower, validate
+from ..schedule import Op, Schedule, ScheduleError, build, lower, validate
 from ..schedule.builders import check_breadth_first, check_interleaved
 from ..trace.events import TimelineEvent
-from .costs import Config, Placement, analytic_costs, memory_breakdown, peak_activation_bytes
+from .costs import Config, Placement, analytic_costs, memory_breakdown
 from .engine import EngineResult, simulate_schedule
 from .hardware import GIB, Hardware
 from .model import GPTModel, Partition
@@ -58,7 +58,7 @@ def cached_schedule(name: str, pp: int, vp: int, microbatches: int, group_size: 
                     lowering_zero: int | None, weight_buffers: int = 2, grad_buffers: int = 2,
                     check: bool = False) -> Schedule:
     """The lowered schedule (shared by every configuration with the same pipeline shape)."""
-    sched = lower(build(name, pp, vp, microbatches, group_size), lowering_zero, weight_buffers, grad_buffers)
+    sched = lower(built_schedule(name, pp, vp, microbatches, group_size), lowering_zero, weight_buffers, grad_buffers)
     if check:
         validate(sched)
     return sched
@@ -117,15 +117,51 @@ def config_dict(cfg: Config) -> dict:
     }
 
 
-def memory(model: GPTModel, cfg: Config, sched: Schedule) -> list[dict[str, float]]:
-    """Per pipeline rank, bytes by category (see `costs.memory_breakdown`)."""
+@functools.lru_cache(maxsize=2048)
+def built_schedule(name: str, pp: int, vp: int, microbatches: int, group_size: int | None) -> Schedule:
+    """The F/B order alone (enough for activation memory; cheaper than lowering)."""
+    return build(name, pp, vp, microbatches, group_size)
+
+
+@functools.lru_cache(maxsize=2048)
+def activation_frontier(name: str, pp: int, vp: int, microbatches: int,
+                        group_size: int | None) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per rank, the Pareto-maximal (other stages, last stage) counts of kept activations over its order.
+
+    Every stage but the last keeps the same bytes per micro-batch, so the peak bytes of a rank is
+    max(n * bytes_other + l * bytes_last) over these points: exact, and independent of b, T and recompute."""
+    sched = built_schedule(name, pp, vp, microbatches, group_size)
+    last = pp * vp - 1
+    out = []
+    for acts in sched.ranks:
+        n = l = 0
+        points: set[tuple[int, int]] = {(0, 0)}
+        for a in acts:
+            if a.op == Op.F:
+                if a.stage == last:
+                    l += 1
+                else:
+                    n += 1
+                points.add((n, l))
+            elif a.op == Op.B:
+                if a.stage == last:
+                    l -= 1
+                else:
+                    n -= 1
+        out.append(tuple(p for p in points if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points)))
+    return tuple(out)
+
+
+def memory(model: GPTModel, cfg: Config) -> list[dict[str, float]]:
+    """Per pipeline rank, bytes by category (see `costs.memory_breakdown`), activations from the schedule's order."""
     part = Partition(model, cfg.tp, cfg.pp, cfg.vp)
     b = cfg.micro_batch_size
-    out = []
-    for r in range(cfg.pp):
-        act = peak_activation_bytes(sched, r, lambda s: part.activation_bytes(s, b, cfg.recompute))
-        out.append(memory_breakdown(part, cfg, r, act))
-    return out
+    g = cfg.group_size or default_group_size(cfg.schedule, cfg.pp, cfg.microbatches)
+    frontier = activation_frontier(cfg.schedule, cfg.pp, cfg.vp, cfg.microbatches, g)
+    other = part.activation_bytes(0, b, cfg.recompute) if part.num_stages > 1 else 0.0
+    last = part.activation_bytes(part.num_stages - 1, b, cfg.recompute)
+    return [memory_breakdown(part, cfg, r, max(n * other + k * last for n, k in frontier[r]))
+            for r in range(cfg.pp)]
 
 
 def predict(model: GPTModel, hw: Hardware, cfg: Config, record_events: bool = False,
@@ -140,7 +176,7 @@ def predict(model: GPTModel, hw: Hardware, cfg: Config, record_events: bool = Fa
 
 
 def _prediction(model: GPTModel, hw: Hardware, cfg: Config, sched: Schedule, res: EngineResult) -> Prediction:
-    mem = memory(model, cfg, sched)
+    mem = memory(model, cfg)
     peak_rank = max(range(cfg.pp), key=lambda r: mem[r]["total"])
     flops = model.model_flops_per_sequence() * cfg.global_batch_size
     tflops = flops / res.step_time_s / cfg.num_gpus / 1e12
