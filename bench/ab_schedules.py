@@ -18,8 +18,12 @@ configuration Megatron-LM uses for interleaving (overlap_p2p_comm=True, batch_p2
 A step is: zero grads, the schedule's forward-backward over M micro-batches, the tied-embedding gradient
 all-reduce, the data-parallel gradient all-reduce (D > 1), an Adam step; timed between two barriers on
 every rank. Repetitions are interleaved (A B C D E A B C D E ...) so drift hits every variant alike; the
-first --warmup rounds are dropped. The report gives medians, quartiles and ratios to ours-bf, and checks that
-all variants start from the same loss (same model, same data: a failed check means the comparison is void).
+first --warmup rounds are dropped. Reported per variant: median wall time per step with quartiles; its ratio
+to ours-bf's median; the paired ratio (each round's time over ours-bf's time in the same round: median and
+quartiles over rounds, the drift-cancelling figure); and the CPU time per step summed over all ranks (the
+work done, without the waiting, so much less sensitive to other load on the machine). The run first checks
+that all variants computed the same per-micro-batch losses in their first step (same model, same data: a
+failed check means the comparison is void).
 
 On CPU with gloo and tiny models this measures schedule and runtime overheads (Python dispatch, p2p
 latency, bubbles at CPU speed), not GPU performance.
@@ -40,6 +44,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,7 +57,9 @@ import torch  # noqa: E402
 VARIANTS = ("ours-bf", "ours-interleaved", "stock-G=M", "stock-G=P", "torch-loopedbfs")
 STOCK_P2P = {"overlap_p2p_comm": True, "batch_p2p_comm": False}
 CSV_FIELDS = ("P", "V", "D", "M", "micro_batch_size", "num_layers", "hidden_size", "seq_length", "variant",
-              "group_size", "median_ms", "p25_ms", "p75_ms", "ratio_to_ours_bf", "reps", "step0_loss")
+              "group_size", "median_ms", "p25_ms", "p75_ms", "ratio_to_ours_bf", "paired_ratio_median",
+              "paired_ratio_p25", "paired_ratio_p75", "cpu_ms_all_ranks", "cpu_ratio_to_ours_bf", "reps",
+              "step0_loss")
 
 
 # --------------------------------------------------------------------------------------------------- args
@@ -99,7 +106,7 @@ def _config(args: argparse.Namespace, pp: int, vp: int):
     return make_transformer_config(num_layers=pp * vp * args.layers_per_stage, hidden_size=args.hidden_size,
                                    num_attention_heads=args.num_attention_heads, hidden_dropout=0.0,
                                    attention_dropout=0.0, pipeline_model_parallel_size=pp,
-                                   virtual_pipeline_model_parallel_size=vp)
+                                   virtual_pipeline_model_parallel_size=vp, use_cpu_initialization=True)
 
 
 def _chunks(args: argparse.Namespace, pp: int, vp: int) -> list[torch.nn.Module]:
@@ -109,7 +116,7 @@ def _chunks(args: argparse.Namespace, pp: int, vp: int) -> list[torch.nn.Module]
 
     return build_model_chunks(_config(args, pp, vp), vocab_size=args.vocab_size,
                               max_sequence_length=args.seq_length, pp_rank=ps.get_pipeline_model_parallel_rank(),
-                              pp_size=pp, vp_size=vp, seed=args.seed)
+                              pp_size=pp, vp_size=vp, seed=args.seed, device="cpu")
 
 
 class StageModule(torch.nn.Module):
@@ -243,12 +250,20 @@ def _microbatches(args, m: int, count: int) -> list[list[dict]]:
     return [global_batch_microbatches(it, m) for _ in range(count)]
 
 
-def _timed(step: Callable[[list[dict]], list[float]], batches: list[dict]) -> tuple[float, list[float]]:
+def _timed(step: Callable[[list[dict]], list[float]], batches: list[dict]) -> tuple[float, float, list[float]]:
+    """(wall seconds, this rank's CPU seconds, losses) of one step. Wall time runs from a barrier to a barrier:
+    the step ends when the slowest rank ends."""
     torch.distributed.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     losses = step(batches)
-    torch.distributed.barrier()  # the step ends when the slowest rank ends
-    return time.perf_counter() - t0, losses
+    c1 = time.process_time()
+    torch.distributed.barrier()
+    return time.perf_counter() - t0, c1 - c0, losses
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return q[0], statistics.median(values), q[2]
 
 
 def run_layout(args, pp: int, vp: int) -> list[dict]:
@@ -261,32 +276,39 @@ def run_layout(args, pp: int, vp: int) -> list[dict]:
     data = _microbatches(args, m, 4)
     variants = [(_torch_variant(args, pp, vp, m) if name == "torch-loopedbfs" else
                  _megatron_variant(args, pp, vp, m, name)) for name in args.variants]
-    times: dict[str, list[float]] = {v.name: [] for v in variants}
+    wall = torch.zeros(len(variants), args.reps, dtype=torch.float64)
+    cpu = torch.zeros(len(variants), args.reps, dtype=torch.float64)
     step0: dict[str, list[float]] = {}
     for rnd in range(args.warmup + args.reps):
-        for v in variants:  # A B C ... each round: drift shared by all
-            dt, losses = _timed(v.step, data[rnd % len(data)])
+        for i, v in enumerate(variants):  # A B C ... in every round: drift is shared by all
+            dt, dc, losses = _timed(v.step, data[rnd % len(data)])
             if rnd == 0:
                 step0[v.name] = losses
             if rnd >= args.warmup:
-                times[v.name].append(dt)
+                wall[i, rnd - args.warmup], cpu[i, rnd - args.warmup] = dt, dc
+    torch.distributed.all_reduce(cpu)  # CPU seconds of all ranks together: the work, without the waiting
     # Step-0 losses from the last stage of the first pipeline (data-parallel rank 0).
     holder = ps.get_data_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == (pp * vp - 1) % pp
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, step0 if holder else None)
     losses0 = next(g for g in gathered if g is not None)
+    base = [v.name for v in variants].index("ours-bf")
     rows = []
-    ours = statistics.median(times["ours-bf"])
-    for v in variants:
-        t = sorted(times[v.name])
-        q = statistics.quantiles(t, n=4) if len(t) > 1 else [t[0]] * 3
-        rows.append({"P": pp, "V": vp, "D": ps.get_data_parallel_world_size(), "M": m, "micro_batch_size": args.micro_batch_size,
-                     "num_layers": pp * vp * args.layers_per_stage, "hidden_size": args.hidden_size,
-                     "seq_length": args.seq_length, "variant": v.name,
+    for i, v in enumerate(variants):
+        w25, w50, w75 = _quartiles(wall[i].tolist())
+        # Paired: each round's time over ours-bf's time in the same round, so drift between rounds cancels.
+        r25, r50, r75 = _quartiles((wall[i] / wall[base]).tolist())
+        rows.append({"P": pp, "V": vp, "D": ps.get_data_parallel_world_size(), "M": m,
+                     "micro_batch_size": args.micro_batch_size, "num_layers": pp * vp * args.layers_per_stage,
+                     "hidden_size": args.hidden_size, "seq_length": args.seq_length, "variant": v.name,
                      "group_size": v.group_size if v.group_size is not None else m,
-                     "median_ms": 1e3 * statistics.median(t), "p25_ms": 1e3 * q[0], "p75_ms": 1e3 * q[2],
-                     "ratio_to_ours_bf": statistics.median(t) / ours, "reps": len(t),
-                     "step0_loss": statistics.fmean(losses0[v.name]), "step0_losses": losses0[v.name]})
+                     "median_ms": 1e3 * w50, "p25_ms": 1e3 * w25, "p75_ms": 1e3 * w75,
+                     "ratio_to_ours_bf": w50 / statistics.median(wall[base].tolist()),
+                     "paired_ratio_median": r50, "paired_ratio_p25": r25, "paired_ratio_p75": r75,
+                     "cpu_ms_all_ranks": 1e3 * statistics.median(cpu[i].tolist()),
+                     "cpu_ratio_to_ours_bf": statistics.median(cpu[i].tolist()) / statistics.median(cpu[base].tolist()),
+                     "reps": args.reps, "step0_loss": statistics.fmean(losses0[v.name]),
+                     "step0_losses": losses0[v.name]})
     ps.destroy_model_parallel()
     return rows
 
@@ -312,11 +334,14 @@ def check_losses(rows: list[dict], rtol: float = 1e-5) -> tuple[float, list[str]
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| P | V | D | M | variant | G | median step (ms) | p25-p75 (ms) | ratio to ours-bf |",
-             "|---|---|---|---|---|---|---:|---:|---:|"]
+    lines = ["| P | V | D | M | variant | G | median step (ms) | p25-p75 (ms) | ratio to ours-bf | "
+             "paired ratio, median [p25-p75] | CPU ms/step, all ranks | CPU ratio |",
+             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['P']} | {r['V']} | {r['D']} | {r['M']} | {r['variant']} | {r['group_size']} | "
-                     f"{r['median_ms']:.1f} | {r['p25_ms']:.1f}-{r['p75_ms']:.1f} | {r['ratio_to_ours_bf']:.2f} |")
+                     f"{r['median_ms']:.1f} | {r['p25_ms']:.1f}-{r['p75_ms']:.1f} | {r['ratio_to_ours_bf']:.2f} | "
+                     f"{r['paired_ratio_median']:.2f} [{r['paired_ratio_p25']:.2f}-{r['paired_ratio_p75']:.2f}] | "
+                     f"{r['cpu_ms_all_ranks']:.1f} | {r['cpu_ratio_to_ours_bf']:.2f} |")
     return "\n".join(lines)
 
 
@@ -326,7 +351,11 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     set_wait_timeout(300)
-    logging.getLogger("megatron").setLevel(logging.WARNING)  # dataset-builder chatter
+    logging.getLogger("megatron").setLevel(logging.ERROR)  # dataset-builder and deprecation chatter
+    if not torch.distributed.is_initialized():
+        # A CPU benchmark by design (the stock schedule runs through the CPU shim): gloo even where CUDA exists,
+        # which init_parallel would otherwise answer with NCCL.
+        torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=300))
     warnings.filterwarnings("ignore")
     rows: list[dict] = []
     for pp, vp in args.layouts:
@@ -349,6 +378,8 @@ def worker(args: argparse.Namespace) -> None:
                 w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items() if k in CSV_FIELDS})
         print(f"wrote {out}")
     parallel.destroy_parallel()
+    if torch.distributed.is_initialized():  # the default group created above
+        torch.distributed.destroy_process_group()
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
