@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import asdict, dataclass, field
 
 from ..schedule import Op, Schedule, ScheduleError, build, lower, validate
@@ -212,10 +213,12 @@ _DEVICE_PROFILES = (("H200", "h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100")
 
 
 def hardware_for_device() -> Hardware | None:
-    """The profile matching this process's CUDA device, if any (CPU runs have none)."""
+    """The profile matching this process's CUDA device, if any (CPU runs have none). Only looks when torch
+    is already loaded (the trainer's case): the simulator itself never needs torch."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
     try:
-        import torch
-
         if not torch.cuda.is_available():
             return None
         name = torch.cuda.get_device_name()
