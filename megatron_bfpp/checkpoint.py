@@ -331,6 +331,17 @@ def check_model_shape(saved: dict[str, Any], a: argparse.Namespace, where: str) 
                 f"{mine[attr]!r}: use the checkpoint's value (model shapes must match to load)")
 
 
+def read_saved_shape(path: str) -> dict[str, Any]:
+    """The model shape a checkpoint directory was written with (no process group needed)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(path)
+    except Exception as e:
+        raise CheckpointError(f"--load: cannot read {path}: {type(e).__name__}: {e}") from None
+    return _saved_shape(common)
+
+
 def _saved_shape(common: dict) -> dict[str, Any]:
     bfpp = common.get("bfpp") or {}
     if "model_shape" in bfpp:

@@ -87,9 +87,6 @@ def check_trainer_args(a: argparse.Namespace, world_size: int) -> None:
     pp, tp = a.pipeline_model_parallel_size, a.tensor_model_parallel_size
     if pp < 1 or tp < 1:
         raise TrainerConfigError("--pipeline-model-parallel-size and --tensor-model-parallel-size must be >= 1")
-    if tp != 1:
-        raise TrainerConfigError("--tensor-model-parallel-size > 1 is not supported by the trainer yet: use 1 "
-                                 "(run tensor parallelism through Megatron-LM with megatron_bfpp.megatron)")
     if getattr(a, "context_parallel_size", 1) != 1:
         raise TrainerConfigError("--context-parallel-size > 1 is not supported by the trainer: use 1")
     if world_size % (pp * tp):
@@ -109,6 +106,12 @@ def check_trainer_args(a: argparse.Namespace, world_size: int) -> None:
     if a.num_attention_heads % tp:
         raise TrainerConfigError(f"--num-attention-heads {a.num_attention_heads} must be divisible by "
                                  f"--tensor-model-parallel-size {tp}")
+    if tp != 1:
+        raise TrainerConfigError("--tensor-model-parallel-size > 1 is not supported by the trainer yet: use 1 "
+                                 "(run tensor parallelism through Megatron-LM with megatron_bfpp.megatron)")
+    if a.group_query_attention and (a.num_query_groups < 1 or a.num_attention_heads % a.num_query_groups):
+        raise TrainerConfigError(f"--num-query-groups {a.num_query_groups} must divide --num-attention-heads "
+                                 f"{a.num_attention_heads}")
     if a.max_position_embeddings is not None and a.seq_length > a.max_position_embeddings:
         raise TrainerConfigError(f"--seq-length {a.seq_length} exceeds --max-position-embeddings "
                                  f"{a.max_position_embeddings}: raise the latter")
@@ -153,8 +156,59 @@ def check_trainer_args(a: argparse.Namespace, world_size: int) -> None:
             raise TrainerConfigError(f"--timeline-iterations {it} outside [1, --train-iters {a.train_iters}]")
     if a.timeline_iterations and not a.timeline:
         raise TrainerConfigError("--timeline-iterations needs --timeline PATH")
+    _check_fault_handling_args(a)
     a.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
     a.global_batch_size = gbs
+
+
+def _check_fault_handling_args(a: argparse.Namespace) -> None:
+    """Checkpoint, timeout and fault-injection settings (megatron_bfpp.checkpoint, megatron_bfpp.faults)."""
+    from .checkpoint import CheckpointError, check_load_args
+    from .faults import ENV, parse_fault_spec
+
+    for flag, value in (("--distributed-timeout-minutes", a.distributed_timeout_minutes),
+                        ("--distributed-timeout-seconds", a.distributed_timeout_seconds)):
+        if value is not None and value <= 0:
+            raise TrainerConfigError(f"{flag} must be > 0 (got {value}): every wait is bounded by it")
+    if a.save_interval is not None and not a.save:
+        raise TrainerConfigError("--save-interval needs --save DIR (where to write the checkpoints)")
+    for flag, value in (("--save-interval", a.save_interval), ("--exit-interval", a.exit_interval)):
+        if value is not None and value < 1:
+            raise TrainerConfigError(f"{flag} must be >= 1 iteration (got {value})")
+    if (a.save or a.load) and a.ckpt_format != "torch_dist":
+        raise TrainerConfigError(f"--ckpt-format {a.ckpt_format} is not supported by the trainer: use torch_dist "
+                                 "(reshardable; loads at another D, P, V or ZeRO stage)")
+    if a.async_save:
+        raise TrainerConfigError("--async-save is not supported by the trainer: drop it (saves are synchronous)")
+    if a.recompute_granularity is not None:
+        from .model import megatron_recompute_available
+
+        if not megatron_recompute_available():
+            raise TrainerConfigError(f"--recompute-granularity {a.recompute_granularity} needs CUDA here (Megatron's "
+                                     "activation checkpointing saves the CUDA RNG state): drop the flag on CPU")
+    try:
+        check_load_args(a)
+    except CheckpointError as e:
+        raise TrainerConfigError(str(e)) from None
+    spec = os.environ.get(ENV, "").strip()
+    if spec:
+        try:
+            parse_fault_spec(spec)
+        except ValueError as e:
+            raise TrainerConfigError(str(e)) from None
+
+
+def _check_checkpoint_shape(a: argparse.Namespace) -> None:
+    """--load: the checkpoint's model shape must be this run's (read from its common state, no process group)."""
+    from .checkpoint import CheckpointError, check_model_shape, read_saved_shape, resolve_load_dir
+
+    found = resolve_load_dir(a.load, a.ckpt_step) if os.path.isdir(a.load) else None
+    if found is None:
+        return
+    try:
+        check_model_shape(read_saved_shape(found[1]), a, a.load)
+    except CheckpointError as e:
+        raise TrainerConfigError(str(e)) from None
 
 
 def _is_number(s: str) -> bool:
@@ -196,6 +250,7 @@ def parse_trainer_args(argv: list[str], world_size: int | None = None) -> argpar
         args.max_position_embeddings = args.seq_length
     args.transformer_impl = "local"
     check_trainer_args(args, world_size)
+    args.world_size = world_size  # Megatron's parse_args read WORLD_SIZE from the environment (default 1)
     os.environ.setdefault("WORLD_SIZE", str(world_size))
     os.environ.setdefault("RANK", "0")
     # Megatron's own interleaved schedule needs P > 1 (validate_args asserts it); ours also loops V chunks on
@@ -218,6 +273,8 @@ def parse_trainer_args(argv: list[str], world_size: int | None = None) -> argpar
         args.virtual_pipeline_model_parallel_size = vp
     divisible = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = -(-args.vocab_size // divisible) * divisible
+    if args.load:
+        _check_checkpoint_shape(args)
     args.virtual_pipeline_model_parallel_size = (args.virtual_pipeline_model_parallel_size
                                                  if (args.virtual_pipeline_model_parallel_size or 1) > 1 else None)
     return args
