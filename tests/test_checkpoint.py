@@ -1,0 +1,165 @@
+"""Trainer checkpoints: bitwise resume, loading at other layouts, and a save killed before its commit.
+
+Reference layout: D = 2, P = 2, V = 2, breadth-first, ZeRO-3, fp32 on CPU (4 gloo processes), dropout 0.
+  A: 6 iterations straight.  B: the same run stopped after 3 (--save, --exit-interval 3).  C: --load B's
+  checkpoint, 3 more.  C's losses equal A's iterations 4-6 bit for bit.
+  D: B's checkpoint at D = 4, P = 1, V = 2 (breadth-first, ZeRO-2); E: at D = 1, P = 2, V = 1 (gpipe, ZeRO-1):
+  both continue with A's losses within fp32 tolerance (the optimizer state is resharded).
+Interrupted save: F loads B's checkpoint at E's layout and saves every iteration; rank 1 is SIGKILLed while
+the iteration-4 checkpoint is written (shards on disk, not committed). The tracker still names iteration 3,
+which E then loads; E's iteration 4 equals F's, and E's own save removes F's leftover.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.distributed import free_port, run_distributed
+
+BASE = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "6", "--lr", "1e-2",
+        "--lr-decay-style", "linear", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
+        "--vocab-size", "128", "--log-interval", "1", "--distributed-timeout-seconds", "60"]
+REFERENCE = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+             "--pipeline-schedule", "breadth-first", "--zero-stage", "3"]
+D4_P1_V2 = ["--pipeline-model-parallel-size", "1", "--num-layers-per-virtual-pipeline-stage", "2",
+            "--pipeline-schedule", "breadth-first", "--zero-stage", "2"]
+D1_P2_V1 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe", "--zero-stage", "1"]
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _train(argv: list[str], world: int) -> list[float]:
+    from megatron_bfpp import parallel
+    from megatron_bfpp.train import Trainer
+    from megatron_bfpp.train_config import parse_trainer_args
+
+    trainer = Trainer(parse_trainer_args(argv, world_size=world))
+    trainer.run()
+    parallel.destroy_parallel()
+    return trainer.losses
+
+
+def _reference_worker(rank: int, world: int, ckpt: str) -> dict:
+    import datetime
+
+    import torch.distributed as dist
+
+    # One default group for the four trainers run here one after another (each builds Megatron's groups anew).
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    out = {"A": _train(BASE + REFERENCE, world)}
+    out["B"] = _train(BASE + REFERENCE + ["--save", ckpt, "--save-interval", "3", "--exit-interval", "3"], world)
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        out["tracker_after_B"] = f.read()
+    out["C"] = _train(BASE + REFERENCE + ["--load", ckpt], world)
+    out["D"] = _train(BASE + D4_P1_V2 + ["--load", ckpt], world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    ckpt = str(tmp_path_factory.mktemp("ckpt") / "run")
+    results = run_distributed(_reference_worker, 4, ckpt, timeout=600)
+    assert all(r == results[0] for r in results)  # every rank learns the global loss
+    return {**results[0], "ckpt": ckpt}
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= ATOL + RTOL * abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.timeout(900)
+def test_resume_is_bitwise_identical(reference):
+    a = reference["A"]
+    assert len(a) == 6 and a[5] < a[0]  # it trains
+    assert reference["B"] == a[:3]
+    assert reference["tracker_after_B"].strip() == "3"
+    assert reference["C"] == a[3:]  # exact float equality: nothing lost, nothing changed
+
+
+@pytest.mark.timeout(900)
+def test_loads_at_d4_p1_v2_zero2(reference):
+    assert _close(reference["D"], reference["A"][3:]), (reference["D"], reference["A"][3:])
+
+
+def test_checkpoint_layout_on_disk(reference):
+    ckpt = reference["ckpt"]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert os.path.isfile(os.path.join(ckpt, "iter_0000003", "metadata.json"))
+
+
+def test_model_shape_mismatch_names_the_flag(reference):
+    from megatron_bfpp.train_config import TrainerConfigError, parse_trainer_args
+
+    argv = BASE + REFERENCE + ["--load", reference["ckpt"], "--hidden-size", "32"]
+    with pytest.raises(TrainerConfigError) as info:
+        parse_trainer_args(argv, world_size=4)
+    msg = str(info.value)
+    assert "--hidden-size" in msg and "16" in msg and "32" in msg and reference["ckpt"] in msg
+
+
+# ------------------------------------------------------------------------------- interrupted save, D = 1
+def _launch_two_ranks(argv: list[str], env_extra: dict[str, str]) -> tuple[list[int], list[str], float]:
+    """`python -m megatron_bfpp.train` as ranks 0 and 1 of a 2-process world; (exit codes, outputs, seconds)."""
+    port = free_port()
+    procs = []
+    t0 = time.time()
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1", **env_extra}
+        procs.append(subprocess.Popen([sys.executable, "-W", "ignore", "-m", "megatron_bfpp.train", *argv], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    return [p.returncode for p in procs], outs, time.time() - t0
+
+
+@pytest.fixture(scope="module")
+def interrupted(reference, tmp_path_factory) -> dict:
+    ckpt = reference["ckpt"]
+    report = str(tmp_path_factory.mktemp("reports") / "e.json")
+    killed = _launch_two_ranks(BASE + D1_P2_V1 + ["--load", ckpt, "--save", ckpt, "--save-interval", "1"],
+                               {"BFPP_FAULT_INJECT": "rank=1,iteration=4,point=save"})
+    state = {"listing": sorted(os.listdir(ckpt)),
+             "tracker": open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip()}
+    resumed = _launch_two_ranks(BASE + D1_P2_V1 + ["--load", ckpt, "--save", ckpt, "--save-interval", "1",
+                                                   "--report-json", report], {})
+    with open(report) as f:
+        losses = json.load(f)["losses"]
+    return {"killed": killed, "state": state, "resumed": resumed, "E": losses,
+            "final_listing": sorted(os.listdir(ckpt)),
+            "final_tracker": open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip()}
+
+
+def _logged_loss(output: str, iteration: int) -> str:
+    m = re.search(rf"iteration\s+{iteration}/.*?lm loss: (\S+) \|", output)
+    assert m, output[-3000:]
+    return m.group(1)
+
+
+@pytest.mark.timeout(900)
+def test_killed_save_leaves_previous_checkpoint_loadable(interrupted):
+    (rc0, rc1), (out0, out1), _ = interrupted["killed"]
+    assert rc1 == -9, out1[-3000:]  # SIGKILL while writing iteration 4
+    assert "fault injection: rank 1 SIGKILLs itself at iteration 4 (save)" in out1
+    assert rc0 == 1 and "rank 0: failed because another rank failed" in out0, out0[-3000:]
+    assert interrupted["state"]["tracker"] == "3"
+    assert "iter_0000004.tmp" in interrupted["state"]["listing"]  # the uncommitted write
+    assert "iter_0000004" not in interrupted["state"]["listing"]
+    (rc0, rc1), (out0, _), _ = interrupted["resumed"]
+    assert (rc0, rc1) == (0, 0), out0[-3000:]
+    assert re.search(r"loaded checkpoint \S+iter_0000003 \(iteration 3, 24 samples consumed", out0), out0[-3000:]
+    # The killed run had logged iteration 4 before saving it: the resumed run repeats it exactly.
+    assert _logged_loss(out0, 4) == _logged_loss(interrupted["killed"][1][0], 4)
+    assert interrupted["final_tracker"] == "6"
+    assert not any(name.endswith(".tmp") for name in interrupted["final_listing"]), interrupted["final_listing"]
+
+
+@pytest.mark.timeout(900)
+def test_loads_at_d1_p2_v1_gpipe_zero1(reference, interrupted):
+    assert _close(interrupted["E"], reference["A"][3:]), (interrupted["E"], reference["A"][3:])
