@@ -309,6 +309,8 @@ def _case_runtime(rank, dp, c):
     pp = [dist.new_group([r]) for r in range(dp.size())][rank]
     pg = SimpleNamespace(pp=pp, dp=dp)
     cfg = toy.make_config()
+    # With P=1 the runtime pseudo-frees stage outputs that tanh saved for its backward; keep them here.
+    cfg.deallocate_pipeline_outputs = False
     cfg.finalize_model_grads_func = finalize_model_grads
     chunks = [ShardedDataParallel(cfg, DistributedDataParallelConfig(), toy.ToyStage(cfg, s, c["v"]),
                                   pg_collection=pg, zero_stage=c["zero"], **SMALL_ALIGN) for s in range(c["v"])]
@@ -358,9 +360,9 @@ def _cases_d2(ckpt_dir: str) -> dict:
                               opt=dict(initial_loss_scale=2.0**10, min_loss_scale=1.0, hysteresis=1))
     cases["clip-z2"] = _train("breadth-first", 2, tied=True, opt=dict(clip_grad=0.05))
     cases["default-align-z3"] = _train("breadth-first", 3, align={})
-    for m in (2, 8):
-        cases[f"bf-m{m}-z3"] = _train("breadth-first", 3, m=m, steps=1)
-        cases[f"il-m{m}-z3"] = _train("interleaved-1f1b", 3, m=m, steps=1)
+    for m in (3, 12):  # V=3 > 2 weight buffers
+        cases[f"bf-m{m}-z3"] = _train("breadth-first", 3, v=3, m=m, steps=1)
+        cases[f"il-m{m}-z3"] = _train("interleaved-1f1b", 3, v=3, m=m, steps=1)
     cases["z1-mem"] = _train("breadth-first", 1, steps=1, align={})
     cases["roundtrip"] = dict(kind="roundtrip", sched="interleaved-1f1b", zero=2, v=2, m=2, tied=True,
                               align=SMALL_ALIGN)
@@ -374,7 +376,7 @@ def _cases_d4(ckpt_dir: str) -> dict:
     return {
         "breadth-first-z3": _train("breadth-first", 3, m=2, steps=2),
         "z1-mem": _train("breadth-first", 1, steps=1, align={}),
-        "default-align-z3": _train("breadth-first", 3, align={}),
+        "default-align-z3": _train("breadth-first", 3, m=2, align={}),
         "ckpt": dict(kind="ckpt_load", sched="interleaved-1f1b", zero=1, v=2, m=2, tied=True, align={},
                      dir=ckpt_dir),
     }
@@ -424,7 +426,7 @@ def test_zero3_d4_matches_single_process_adamw(jobs):
 @pytest.mark.timeout(600)
 def test_default_alignment_matches_reference(jobs):
     ref_losses, _, ref_params = reference(2, False, 2 * 4, 3)
-    for d in (2, 4):
+    for d in (2, 4):  # M = 4 at D = 2, M = 2 at D = 4: the same global batch
         r = jobs[d][0]["default-align-z3"]
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
         _assert_params(r["params"], ref_params, what=f"D={d} default alignment")
@@ -500,13 +502,14 @@ def test_comm_counts_follow_the_schedule(jobs):
 
 @pytest.mark.timeout(600)
 def test_breadth_first_zero3_counts_do_not_grow_with_microbatches(jobs):
-    """V=2: breadth-first gathers <= 2V and reduce-scatters V times at M=2 and M=8; interleaved grows."""
-    bf2, bf8 = jobs[2][0]["bf-m2-z3"]["comm"][0], jobs[2][0]["bf-m8-z3"]["comm"][0]
-    il2, il8 = jobs[2][0]["il-m2-z3"]["comm"][0], jobs[2][0]["il-m8-z3"]["comm"][0]
-    for r in (bf2, bf8):
-        assert r["dp_allgather_calls"] <= 4 and r["dp_reduce_scatter_calls"] == 2
-    assert bf2 == bf8
-    assert il8["dp_allgather_calls"] > il2["dp_allgather_calls"] > 4
+    """V=3, two weight buffers: breadth-first gathers <= 2V times and reduce-scatters V times at M=3 and
+    M=12; interleaved-1f1b re-gathers (and reduces) more as M grows."""
+    bf3, bf12 = jobs[2][0]["bf-m3-z3"]["comm"][0], jobs[2][0]["bf-m12-z3"]["comm"][0]
+    il3, il12 = jobs[2][0]["il-m3-z3"]["comm"][0], jobs[2][0]["il-m12-z3"]["comm"][0]
+    for r in (bf3, bf12):
+        assert r["dp_allgather_calls"] <= 6 and r["dp_reduce_scatter_calls"] == 3
+    assert bf3 == bf12
+    assert il12["dp_allgather_calls"] > il3["dp_allgather_calls"] > bf3["dp_allgather_calls"]
 
 
 @pytest.mark.timeout(600)
