@@ -35,12 +35,22 @@ def _batches(m: int, step: int) -> list[dict]:
     return out
 
 
-def _config(num_layers: int, pp: int, vp: int):
+def _config(num_layers: int, pp: int, vp: int, recompute: str | None = None):
     from megatron_bfpp.model import make_transformer_config
 
     return make_transformer_config(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                    hidden_dropout=0.0, attention_dropout=0.0, pipeline_model_parallel_size=pp,
-                                   virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
+                                   virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
+                                   recompute_granularity=recompute)
+
+
+def _cpu_rng_shim() -> None:
+    """Test-only: Megatron's activation checkpointing saves/restores the CUDA RNG state; make that a no-op on
+    CPU so recomputation itself can be exercised (dropout is 0 here, so no RNG state matters)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.zeros(1)
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
 
 
 def _reference_worker(rank: int, world: int, jobs) -> dict:
@@ -73,7 +83,7 @@ def _reference_worker(rank: int, world: int, jobs) -> dict:
     return out
 
 
-def _pipeline_worker(rank: int, world: int, cases, num_layers: int) -> list:
+def _pipeline_worker(rank: int, world: int, cases, num_layers: int, recompute: str | None = None) -> list:
     from megatron.core import parallel_state as ps
 
     from megatron_bfpp import parallel
@@ -82,10 +92,12 @@ def _pipeline_worker(rank: int, world: int, cases, num_layers: int) -> list:
     from megatron_bfpp.runtime import get_forward_backward_func, set_wait_timeout
 
     set_wait_timeout(120)
+    if recompute:
+        _cpu_rng_shim()
     results = []
     for name, vp, m, g, tied in cases:
         parallel.init_parallel(world, vp if vp > 1 else None)
-        chunks = build_model_chunks(_config(num_layers, world, vp), vocab_size=VOCAB, max_sequence_length=SEQ,
+        chunks = build_model_chunks(_config(num_layers, world, vp, recompute), vocab_size=VOCAB, max_sequence_length=SEQ,
                                     pp_rank=rank, pp_size=world, vp_size=vp,
                                     share_embeddings_and_output_weights=tied, seed=7)
         params = global_named_parameters(chunks, rank, world)
@@ -124,11 +136,23 @@ def _compare(cases, per_rank, ref, num_layers, pp):
         assert seen == set(ref_grads), f"{name}: parameters not covered: {set(ref_grads) ^ seen}"
 
 
+@pytest.fixture(scope="module")
+def reference():
+    return run_distributed(_reference_worker, 1, [(12, t, 4) for t in (True, False)] +
+                           [(8, t, 8) for t in (True, False)])[0]
+
+
 @pytest.mark.timeout(600)
-def test_gpt_schedules_equal_single_process_reference():
+def test_gpt_schedules_equal_single_process_reference(reference):
     cases2 = [(*c, tied) for c in P2_CASES for tied in (True, False)]
     cases4 = [(*c, tied) for c in P4_CASES for tied in (True, False)]
-    ref = run_distributed(_reference_worker, 1, [(12, t, 4) for t in (True, False)] +
-                          [(8, t, 8) for t in (True, False)])[0]
-    _compare(cases2, run_distributed(_pipeline_worker, 2, cases2, 12), ref, 12, 2)
-    _compare(cases4, run_distributed(_pipeline_worker, 4, cases4, 8), ref, 8, 4)
+    _compare(cases2, run_distributed(_pipeline_worker, 2, cases2, 12), reference, 12, 2)
+    _compare(cases4, run_distributed(_pipeline_worker, 4, cases4, 8), reference, 8, 4)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_activation_recomputation_through_the_runtime(reference, granularity):
+    """Megatron's recomputation, configured on the chunks, runs inside our F/B actions with exact gradients."""
+    cases = [("breadth-first", 2, 4, None, True), ("interleaved-1f1b", 3, 4, 2, False)]
+    _compare(cases, run_distributed(_pipeline_worker, 2, cases, 12, granularity), reference, 12, 2)

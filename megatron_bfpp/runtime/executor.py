@@ -217,12 +217,15 @@ class ScheduleExecutor:
         counted = [0]
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if not (t.is_leaf and t.requires_grad):
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in seen:
-                    seen.add(ptr)
-                    counted[0] += t.untyped_storage().nbytes()
-            return t
+            if t.is_leaf and t.requires_grad:  # a parameter: not an activation
+                return t
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                counted[0] += t.untyped_storage().nbytes()
+            # A new alias of the same storage, as autograd saves outputs: Megatron's pseudo-deallocation of a
+            # pipeline output (`out.data = ...`) must not reach the copy saved for backward.
+            return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             output, num_tokens = forward_step(
