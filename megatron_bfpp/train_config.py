@@ -17,6 +17,7 @@ from .schedule.ir import SCHEDULE_NAMES
 
 SUPPORTED_MEGATRON_CORE = ((0, 19),)
 DEFAULT_MOCK_VOCAB = 1024
+TEXT_VOCAB = 257  # byte-level tokens + end-of-document, as scripts/text_to_megatron.py writes them
 
 
 class TrainerConfigError(ValueError):
@@ -245,7 +246,7 @@ def parse_trainer_args(argv: list[str], world_size: int | None = None) -> argpar
     if not args.data_path:
         args.mock_data = True
     if args.vocab_size is None:
-        args.vocab_size = DEFAULT_MOCK_VOCAB if not args.data_path else 256
+        args.vocab_size = DEFAULT_MOCK_VOCAB if not args.data_path else TEXT_VOCAB  # scripts/text_to_megatron.py
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     args.transformer_impl = "local"
