@@ -39,7 +39,8 @@ class Trainer:
         self.args = args
         parallel.init_parallel(
             args.pipeline_model_parallel_size,
-            args.virtual_pipeline_model_parallel_size,
+            # Megatron's groups know no virtual stages at P = 1; the model builder handles that case itself.
+            args.virtual_pipeline_model_parallel_size if args.pipeline_model_parallel_size > 1 else None,
             args.tensor_model_parallel_size,
             distributed_timeout_minutes=args.distributed_timeout_minutes,
             distributed_timeout_seconds=args.distributed_timeout_seconds,
@@ -96,7 +97,12 @@ class Trainer:
             share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights, seed=a.seed,
             device=self.device, position_embedding_type=a.position_embedding_type,
         )
+        from megatron.core.utils import get_model_config
         from megatron.training.training import get_megatron_ddp_config, get_megatron_optimizer_config
+
+        if a.bf16 or a.fp16:
+            chunks = model_lib.float16_chunks(chunks)  # as Megatron-LM's get_model
+        config = get_model_config(chunks[0])  # the config the chunks share: the runtime reads hooks from it
 
         ddp_config = get_megatron_ddp_config(a)
         wrapped = [ShardedDataParallel(config, ddp_config, c, zero_stage=a.zero_stage) for c in chunks]
