@@ -132,6 +132,18 @@ def test_breadth_first_zero3_timeline_follows_schedule(runs):
     problems = check_against_schedule(events, schedule, pp_rank_of=pp_rank_of)
     assert not problems, problems
     assert not compute_overlaps(events)
+    # Overlap, from the recorded order on each rank: the next stage's all-gather is issued before the current
+    # stage's compute starts, and a stage's reduce-scatter before the earlier stage's backward starts.
+    for rank in range(4):
+        pp_rank = pp_rank_of[rank]
+        stages = [pp_rank + c * 2 for c in range(vp)]
+        mine = sorted((e for e in events if e.rank == rank), key=lambda e: e.start)
+        first = {(op, st): min(e.start for e in mine if e.op == op and e.stage == st)
+                 for op in ("F", "B") for st in stages}
+        gathers = [e for e in mine if e.op == "GATHER"]
+        reduces = {e.stage: e.start for e in mine if e.op == "REDUCE"}
+        assert any(g.stage == stages[1] and g.start <= first[("F", stages[0])] for g in gathers)
+        assert reduces[stages[1]] <= first[("B", stages[0])]
     report = json.loads((out / "bf_z3_report.json").read_text())
     assert len(report["comm"]) == 4 and len(report["memory"]) == 4
     for c in report["comm"]:
