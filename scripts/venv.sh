@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by .ci/run and scripts/*.sh: builds or reuses a cached Python 3.12 venv, keyed by a hash of the
 # requirements, outside the clone (so repeated runs neither re-download nor fill the disk).
 bfpp_find_python312() {
