@@ -297,9 +297,19 @@ class Trainer:
                 from .trace.metrics import iteration_metrics
 
                 measured = iteration_metrics(last, a.train_iters).to_dict()
-                measured["peak_memory_bytes"] = max(m["peak_bytes"] for m in report["memory"])
+                peak_of = {m["rank"]: m["peak_bytes"] for m in report["memory"]}
+                for r in measured["per_rank"]:
+                    r["peak_memory_bytes"] = peak_of.get(r["rank"])
+                measured["peak_memory_bytes"] = max(peak_of.values())
                 report["measured"] = measured
             report["predicted"] = self._prediction()
+            predicted = report["predicted"] or {}
+            if isinstance(predicted.get("bubble_fraction"), (int, float)):
+                # The simulator's bubble is relative to compute; idle / step time compares with the measurement.
+                b = predicted["bubble_fraction"]
+                predicted["bubble"] = b / (1 + b)
+            if "measured" in report:
+                _log(self._measured_line(report["measured"], predicted))
             if a.timeline:
                 from .trace.chrome import write_chrome_trace
 
@@ -314,6 +324,20 @@ class Trainer:
             _log(f"done: {a.train_iters} iterations, schedule {sched.name if sched else a.pipeline_schedule}, "
                  f"final lm loss {self.losses[-1]:.4f}, {report['tokens_per_s']:.1f} tokens/s")
         return report
+
+    @staticmethod
+    def _measured_line(measured: dict, predicted: dict) -> str:
+        """Per-rank bubble, exposed waits and peak memory of the last iteration, next to the prediction."""
+        ranks = " ".join(
+            f"r{r['rank']}={r['bubble']:.0%}/{r['exposed_dp_wait_s'] * 1e3:.0f}ms/{r['exposed_p2p_wait_s'] * 1e3:.0f}ms/"
+            f"{(r.get('peak_memory_bytes') or 0) / 2**20:.1f}MiB" for r in measured["per_rank"])
+        line = (f"measured (iteration {measured['iteration']}): bubble {measured['bubble']:.1%}, exposed dp wait "
+                f"{measured['exposed_dp_wait_s'] * 1e3:.1f} ms, exposed p2p wait "
+                f"{measured['exposed_p2p_wait_s'] * 1e3:.1f} ms, peak memory "
+                f"{measured['peak_memory_bytes'] / 2**20:.1f} MiB | per rank bubble/dp/p2p/peak: {ranks}")
+        if isinstance(predicted.get("bubble"), float):
+            line += f" | predicted bubble {predicted['bubble']:.1%} ({predicted.get('basis', 'simulator')})"
+        return line
 
     def _comm_stats(self) -> dict:
         from .runtime.forward_backward import last_run_stats
