@@ -1,9 +1,9 @@
 """Sharded data parallelism (ZeRO-1/2/3) against a single-process torch reference.
 
-Two multi-process jobs (gloo, CPU) run every case once: D=2 (all ZeRO stages under breadth-first and
-interleaved-1f1b, fp32/bf16/fp16, clipping, state-dict round trip, distributed-checkpoint save, the runtime's
-Megatron forward/backward steps) and D=4 (ZeRO-3, memory, loading the D=2 checkpoint at another data-parallel
-size, stage and alignment). Each rank executes the lowered schedule of `make_schedule(..., zero_stage=Z)` for
+One 4-process job (gloo, CPU) runs every case once: D=2 cases on two pairs of ranks (all ZeRO stages under
+breadth-first and interleaved-1f1b, fp32/bf16/fp16, clipping, state-dict round trip, distributed-checkpoint
+save, the runtime's Megatron forward/backward steps), then D=4 cases on all four (ZeRO-3, memory, loading the
+D=2 checkpoint at another data-parallel size, stage and alignment). Each rank executes the lowered schedule of `make_schedule(..., zero_stage=Z)` for
 P=1 by hand, calling the driver exactly where the runtime does. The test functions compare the recorded
 results with `torch.optim.AdamW` on the same global batch in this process.
 """
@@ -111,8 +111,21 @@ def _build(v, tied, zero, dtype, dp, align, opt_kw=None, seed=0):
     kw = dict(optimizer="adam", lr=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
               clip_grad=0.0, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
     kw.update(opt_kw or {})
-    opt = ShardedOptimizer(chunks, OptimizerConfig(**kw))
+    # Megatron's _get_param_groups all-gathers over the whole world, so the pairs running D=2 cases pass
+    # the same grouping rule themselves (the D=4 cases use Megatron's; test_param_groups_are_megatrons).
+    groups = None if dp is _world() else _megatron_rule_groups(chunks, LR)
+    opt = ShardedOptimizer(chunks, OptimizerConfig(**kw), param_groups=groups)
     return chunks, ShardedDriver(chunks), opt
+
+
+def _megatron_rule_groups(chunks, lr) -> list[dict]:
+    """Megatron's standard rule: no weight decay on biases and 1-D parameters."""
+    params = list(dict.fromkeys(p for c in chunks for p in c.parameters()))
+    names = {p: n for c in chunks for n, p in c.named_parameters()}
+    no_wd = [p for p in params if p.ndim == 1 or names[p].endswith(".bias")]
+    wd = [p for p in params if not (p.ndim == 1 or names[p].endswith(".bias"))]
+    return [{"params": wd, "wd_mult": 1.0, "max_lr": lr, "min_lr": None},
+            {"params": no_wd, "wd_mult": 0.0, "max_lr": lr, "min_lr": None}]
 
 
 def _train_step(chunks, driver, opt, sched, batch, dtype, dp, trace=None):
@@ -175,9 +188,10 @@ def _full_params(chunks) -> list[dict]:
     return out
 
 
-def _model_sharded_sd(chunks, dp):
-    """Megatron's sharded state dict of every chunk, keyed by stage (P=1: chunk index = stage)."""
-    return {f"chunk{i}": c.sharded_state_dict(prefix=f"stage{i}.", metadata={"dp_cp_group": dp})
+def _model_sharded_sd(chunks, replica_group):
+    """Megatron's sharded state dict of every chunk, keyed by stage (P=1: chunk index = stage). Replica ids
+    come from `replica_group`: the whole world, so only global rank 0 writes each tensor."""
+    return {f"chunk{i}": c.sharded_state_dict(prefix=f"stage{i}.", metadata={"dp_cp_group": replica_group})
             for i, c in enumerate(chunks)}
 
 
@@ -185,7 +199,7 @@ def _optimizer_states(opt, chunks, dp) -> dict[str, torch.Tensor]:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    sd = opt.sharded_state_dict(_model_sharded_sd(chunks, dp))
+    sd = opt.sharded_state_dict(_model_sharded_sd(chunks, _world()))
     return {sh.key: sh.data.clone() for sh in nested_values(sd["param_state"]) if isinstance(sh, ShardedTensor)}
 
 
@@ -268,7 +282,7 @@ def _case_ckpt_save(rank, dp, c):
     for step in range(2):
         batch = global_batch(d * c["m"], step)[rank * c["m"] : (rank + 1) * c["m"]]
         _train_step(chunks, driver, opt, sched, batch, torch.float32, dp)
-    model_sd = _model_sharded_sd(chunks, dp)
+    model_sd = _model_sharded_sd(chunks, _world())
     dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}, c["dir"])
     states, step = _optimizer_states(opt, chunks, dp), opt._step
     batch = global_batch(d * c["m"], 2)[rank * c["m"] : (rank + 1) * c["m"]]
@@ -285,7 +299,7 @@ def _case_ckpt_load(rank, dp, c):
     d = dp.size()
     sched = make_schedule(c["sched"], 1, c["v"], c["m"], zero_stage=c["zero"])
     chunks, driver, opt = _build(c["v"], c["tied"], c["zero"], torch.float32, dp, c["align"], seed=5)
-    model_sd = _model_sharded_sd(chunks, dp)
+    model_sd = _model_sharded_sd(chunks, _world())
     loaded = dist_checkpointing.load({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True)},
                                      c["dir"])
     for i, ch in enumerate(chunks):  # keys of the wrapper's sharded state dict: "stage<i>.module.<name>"
@@ -306,8 +320,7 @@ def _case_runtime(rank, dp, c):
     from megatron_bfpp.sharded import ShardedDataParallel, finalize_model_grads
     from tests import toy_pipeline as toy
 
-    pp = [dist.new_group([r]) for r in range(dp.size())][rank]
-    pg = SimpleNamespace(pp=pp, dp=dp)
+    pg = SimpleNamespace(pp=_GROUPS["self"], dp=dp)
     cfg = toy.make_config()
     # With P=1 the runtime pseudo-frees stage outputs that tanh saved for its backward; keep them here.
     cfg.deallocate_pipeline_outputs = False
@@ -329,16 +342,55 @@ def _case_runtime(rank, dp, c):
     return {"grads": grads, "gathers": chunks[0].stats.dp_allgather_calls}
 
 
-CASES = {"train": _case_train, "roundtrip": _case_roundtrip, "ckpt_save": _case_ckpt_save,
+def _case_groups(rank, dp, c):
+    """Megatron's parameter groups (default_param_groups) next to the rule the D=2 cases apply."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_bfpp.sharded import default_param_groups
+
+    chunks, _, _ = _build(2, True, 1, torch.float32, dp, SMALL_ALIGN)
+    names = {p: n for ch in chunks for n, p in ch.named_parameters()}
+
+    def summary(groups):
+        return sorted((g["wd_mult"], tuple(sorted(names[p] for p in g["params"]))) for g in groups if g["params"])
+
+    megatron = default_param_groups(chunks, OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WD))
+    return {"megatron": summary(megatron), "rule": summary(_megatron_rule_groups(chunks, LR))}
+
+
+CASES = {"groups": _case_groups, "train": _case_train, "roundtrip": _case_roundtrip, "ckpt_save": _case_ckpt_save,
          "ckpt_load": _case_ckpt_load, "runtime": _case_runtime}
 
 
-def _worker(rank: int, world: int, cases: dict) -> dict:
+_GROUPS: dict = {}
+
+
+def _world():
+    return _GROUPS["world"]
+
+
+def _worker(rank: int, world: int, cases2: dict, cases4: dict) -> dict:
+    """4 processes: the D=2 cases run on two pairs of ranks at once (split between them), then the D=4
+    cases on all four. The D=2 checkpoint save is collective over the world: both pairs save the same
+    state, and replica ids over the world make global rank 0 the only writer."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    dp = dist.new_group(list(range(world)))
-    return {key: CASES[c["kind"]](rank, dp, c) for key, c in cases.items()}
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    _GROUPS["world"] = dist.new_group(list(range(world)))
+    _GROUPS["self"] = [dist.new_group([r]) for r in range(world)][rank]
+    pair, prank = divmod(rank, 2)
+    out2 = {}
+    plain = [k for k in sorted(cases2) if cases2[k]["kind"] != "ckpt_save"]
+    for i, key in enumerate(plain):
+        if i % 2 == pair:
+            out2[key] = CASES[cases2[key]["kind"]](prank, pairs[pair], cases2[key])
+    for key, c in cases2.items():
+        if c["kind"] == "ckpt_save":
+            out2[key] = CASES[c["kind"]](prank, pairs[pair], c)
+    dist.barrier()
+    out4 = {key: CASES[c["kind"]](rank, _world(), c) for key, c in cases4.items()}
+    return {"pair": pair, "prank": prank, 2: out2, 4: out4}
 
 
 # -- the two jobs -------------------------------------------------------------------------------------------
@@ -377,6 +429,7 @@ def _cases_d4(ckpt_dir: str) -> dict:
         "breadth-first-z3": _train("breadth-first", 3, m=2, steps=2),
         "z1-mem": _train("breadth-first", 1, steps=1, align={}),
         "default-align-z3": _train("breadth-first", 3, m=2, align={}),
+        "groups": dict(kind="groups"),
         "ckpt": dict(kind="ckpt_load", sched="interleaved-1f1b", zero=1, v=2, m=2, tied=True, align={},
                      dir=ckpt_dir),
     }
@@ -385,9 +438,13 @@ def _cases_d4(ckpt_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("ckpt"))
-    d2 = run_distributed(_worker, 2, _cases_d2(ckpt), timeout=240)
-    d4 = run_distributed(_worker, 4, _cases_d4(ckpt), timeout=240)
-    return {2: d2, 4: d4}
+    res = run_distributed(_worker, 4, _cases_d2(ckpt), _cases_d4(ckpt), timeout=400)
+    d2: list[dict] = [{}, {}]  # by rank within the pair that ran the case
+    for r in res:
+        for key, value in r[2].items():
+            if key not in d2[r["prank"]] or r["pair"] == 0:
+                d2[r["prank"]][key] = value
+    return {2: d2, 4: [r[4] for r in res]}
 
 
 def _assert_params(got: list[dict], want: list[dict], rtol=1e-5, atol=1e-6, what=""):
@@ -547,6 +604,14 @@ def test_zero3_resident_bytes_scale_as_one_over_d(jobs):
 
 
 # -- state -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_param_groups_are_megatrons(jobs):
+    """No weight decay on biases and 1-D parameters, as Megatron groups them (and the D=2 cases assume)."""
+    r = jobs[4][0]["groups"]
+    assert r["megatron"] == r["rule"]
+    assert {wd for wd, _ in r["megatron"]} == {0.0, 1.0}
 
 
 @pytest.mark.timeout(600)
