@@ -246,7 +246,8 @@ def test_pp2_trap_stock_batch_p2p_vs_ours(results):
     # the previous and the next rank are the same peer; a steady-state call sends (to prev: a gradient, to
     # next: an activation) and posts (from prev: an activation, from next: a gradient) in one
     # batch_isend_irecv, and messages between one pair of ranks match in posting order, so the gradient lands
-    # in the activation buffer and vice versa (same shape: nothing notices). If a later version fixes this,
+    # in the activation buffer and vice versa (same shape: nothing notices). Megatron-LM's argument checks
+    # forbid this combination at P = 2 for that reason; Megatron-Core does not. If a later version fixes this,
     # this assertion fails: then update this finding and DESIGN.md §2, not the threshold.
     assert err > 1e-3, (f"stock interleaved at P=2 with batch_p2p_comm=True, overlap_p2p_comm=False now matches "
                         f"the reference (max grad error {err:.3g}): the documented trap is gone in this version")
