@@ -8,6 +8,10 @@ Reference layout: D = 2, P = 2, V = 2, breadth-first, ZeRO-3, fp32 on CPU (4 glo
 Interrupted save: F loads B's checkpoint at E's layout and saves every iteration; rank 1 is SIGKILLed while
 the iteration-4 checkpoint is written (shards on disk, not committed). The tracker still names iteration 3,
 which E then loads; E's iteration 4 equals F's, and E's own save removes F's leftover.
+Killed rank: A's run under `bfpp train` (torchrun, 4 processes) saving at iteration 3, with rank 2 SIGKILLed
+during iteration 6: the launcher fails within the timeout plus a margin naming rank 2 as the root cause, the
+survivors report the lost peer themselves; R resumes from its last checkpoint (iteration 3) and repeats
+iterations 4-6 with A's losses bit for bit.
 """
 
 from __future__ import annotations
@@ -17,16 +21,19 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
 from tests.distributed import free_port, run_distributed
 
-BASE = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
-        "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "6", "--lr", "1e-2",
-        "--lr-decay-style", "linear", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
-        "--vocab-size", "128", "--log-interval", "1", "--distributed-timeout-seconds", "60"]
+MODEL = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
+         "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "6", "--lr", "1e-2",
+         "--lr-decay-style", "linear", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
+         "--vocab-size", "128", "--log-interval", "1"]
+TIMEOUT_S = 30  # --distributed-timeout-seconds: bounds every wait, hence how long a failure can take to surface
+BASE = MODEL + ["--distributed-timeout-seconds", str(TIMEOUT_S)]
 REFERENCE = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
              "--pipeline-schedule", "breadth-first", "--zero-stage", "3"]
 D4_P1_V2 = ["--pipeline-model-parallel-size", "1", "--num-layers-per-virtual-pipeline-stage", "2",
@@ -46,7 +53,7 @@ def _train(argv: list[str], world: int) -> list[float]:
     return trainer.losses
 
 
-def _reference_worker(rank: int, world: int, ckpt: str) -> dict:
+def _reference_worker(rank: int, world: int, ckpt: str, killed_ckpt: str) -> dict:
     import datetime
 
     import torch.distributed as dist
@@ -59,13 +66,29 @@ def _reference_worker(rank: int, world: int, ckpt: str) -> dict:
         out["tracker_after_B"] = f.read()
     out["C"] = _train(BASE + REFERENCE + ["--load", ckpt], world)
     out["D"] = _train(BASE + D4_P1_V2 + ["--load", ckpt], world)
+    out["R"] = _train(BASE + REFERENCE + ["--load", killed_ckpt], world)
     return out
 
 
+MARGIN_S = 30  # process start-up/teardown on a loaded machine
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
+def killed(tmp_path_factory) -> dict:
+    """A's run under `bfpp train` saving at iteration 3; rank 2 SIGKILLed in its first forward of iteration 6."""
+    ckpt = str(tmp_path_factory.mktemp("killed") / "run")
+    argv = BASE + REFERENCE
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BFPP_FAULT_INJECT": "rank=2,iteration=6,point=forward"}
+    p = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_bfpp.cli", "train", "--nproc-per-node", "4",
+                        *argv, "--save", ckpt, "--save-interval", "3"], env=env, capture_output=True, text=True,
+                       timeout=600)
+    return {"rc": p.returncode, "out": p.stdout + p.stderr, "end": time.time(), "ckpt": ckpt}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, killed) -> dict:
     ckpt = str(tmp_path_factory.mktemp("ckpt") / "run")
-    results = run_distributed(_reference_worker, 4, ckpt, timeout=600)
+    results = run_distributed(_reference_worker, 4, ckpt, killed["ckpt"], timeout=600)
     assert all(r == results[0] for r in results)  # every rank learns the global loss
     return {**results[0], "ckpt": ckpt}
 
@@ -88,6 +111,29 @@ def test_loads_at_d4_p1_v2_zero2(reference):
     assert _close(reference["D"], reference["A"][3:]), (reference["D"], reference["A"][3:])
 
 
+@pytest.mark.timeout(900)
+def test_killed_rank_fails_the_job_within_the_bound(killed):
+    out = killed["out"]
+    assert killed["rc"] != 0, out[-4000:]
+    m = re.search(r"fault injection: rank 2 SIGKILLs itself at iteration 6 \(forward\) t=([\d.]+)", out)
+    assert m, out[-4000:]
+    assert killed["end"] - float(m.group(1)) < TIMEOUT_S + MARGIN_S
+    # torchrun's root-cause report names the killed rank and its signal.
+    root = re.search(r"Root Cause \(first observed failure\):(.*?)={10}", out, re.S)
+    assert root, out[-4000:]
+    assert re.search(r"rank\s*:\s*2 \(local_rank: 2\)", root.group(1)) and "-9" in root.group(1), root.group(1)
+    # Survivors detected the lost peer by themselves (before the launcher tore them down).
+    assert re.search(r"rank [013]: failed because another rank failed", out), out[-4000:]
+
+
+@pytest.mark.timeout(900)
+def test_killed_run_resumes_with_nothing_lost(killed, reference):
+    a = reference["A"]
+    logged = {int(i): v for i, v in re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|", killed["out"])}
+    assert logged == {i + 1: f"{a[i]:.6E}" for i in range(5)}  # A's run, up to the iteration that died
+    assert reference["R"] == a[3:]  # resumed from iteration 3: iterations 4-6 exactly as uninterrupted
+
+
 def test_checkpoint_layout_on_disk(reference):
     ckpt = reference["ckpt"]
     assert sorted(os.listdir(ckpt)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
@@ -105,18 +151,33 @@ def test_model_shape_mismatch_names_the_flag(reference):
 
 
 # ------------------------------------------------------------------------------- interrupted save, D = 1
-def _launch_two_ranks(argv: list[str], env_extra: dict[str, str]) -> tuple[list[int], list[str], float]:
-    """`python -m megatron_bfpp.train` as ranks 0 and 1 of a 2-process world; (exit codes, outputs, seconds)."""
+def _launch_two_ranks(argv: list[str], env_extra: dict[str, str]) -> tuple[list[int], list[str], list[float]]:
+    """`python -m megatron_bfpp.train` as ranks 0 and 1 of a 2-process world, no launcher agent between
+    them; (exit codes, outputs, exit times)."""
     port = free_port()
-    procs = []
-    t0 = time.time()
+    procs, logs = [], []
     for rank in range(2):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1", **env_extra}
+        logs.append(tempfile.TemporaryFile("w+"))
         procs.append(subprocess.Popen([sys.executable, "-W", "ignore", "-m", "megatron_bfpp.train", *argv], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    return [p.returncode for p in procs], outs, time.time() - t0
+                                      stdout=logs[-1], stderr=subprocess.STDOUT, text=True))
+    ends: list[float | None] = [None, None]
+    deadline = time.time() + 600
+    while None in ends and time.time() < deadline:
+        for i, p in enumerate(procs):
+            if ends[i] is None and p.poll() is not None:
+                ends[i] = time.time()
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    outs = []
+    for f in logs:
+        f.seek(0)
+        outs.append(f.read())
+        f.close()
+    return [p.wait() for p in procs], outs, [e if e is not None else float("inf") for e in ends]
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +205,13 @@ def _logged_loss(output: str, iteration: int) -> str:
 
 @pytest.mark.timeout(900)
 def test_killed_save_leaves_previous_checkpoint_loadable(interrupted):
-    (rc0, rc1), (out0, out1), _ = interrupted["killed"]
+    (rc0, rc1), (out0, out1), (end0, _) = interrupted["killed"]
     assert rc1 == -9, out1[-3000:]  # SIGKILL while writing iteration 4
-    assert "fault injection: rank 1 SIGKILLs itself at iteration 4 (save)" in out1
+    m = re.search(r"fault injection: rank 1 SIGKILLs itself at iteration 4 \(save\) t=([\d.]+)", out1)
+    assert m, out1[-3000:]
+    # Rank 0, waiting for rank 1 to finish the save, fails by itself within the bound.
     assert rc0 == 1 and "rank 0: failed because another rank failed" in out0, out0[-3000:]
+    assert end0 - float(m.group(1)) < TIMEOUT_S + MARGIN_S
     assert interrupted["state"]["tracker"] == "3"
     assert "iter_0000004.tmp" in interrupted["state"]["listing"]  # the uncommitted write
     assert "iter_0000004" not in interrupted["state"]["listing"]
