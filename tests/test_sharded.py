@@ -113,7 +113,7 @@ def _build(v, tied, zero, dtype, dp, align, opt_kw=None, seed=0):
     kw.update(opt_kw or {})
     # Megatron's _get_param_groups all-gathers over the whole world, so the pairs running D=2 cases pass
     # the same grouping rule themselves (the D=4 cases use Megatron's; test_param_groups_are_megatrons).
-    groups = None if dp is _world() else _megatron_rule_groups(chunks, LR)
+    groups = None if dp is _world() and dp is not None else _megatron_rule_groups(chunks, LR)
     opt = ShardedOptimizer(chunks, OptimizerConfig(**kw), param_groups=groups)
     return chunks, ShardedDriver(chunks), opt
 
@@ -134,6 +134,7 @@ def _train_step(chunks, driver, opt, sched, batch, dtype, dp, trace=None):
 
     from megatron_bfpp.schedule import Op
     from megatron_bfpp.sharded import finalize_model_grads
+    from megatron_bfpp.sharded.comm import group_size
 
     last = len(chunks) - 1
     m_count = len(batch)
@@ -176,8 +177,9 @@ def _train_step(chunks, driver, opt, sched, batch, dtype, dp, trace=None):
     finalize_model_grads(chunks)
     ok, norm, zeros = opt.step()
     t = torch.tensor([total], dtype=torch.float64)
-    dist.all_reduce(t, group=dp)
-    return float(t) / dist.get_world_size(dp), ok, norm
+    if group_size(dp) > 1:
+        dist.all_reduce(t, group=dp)
+    return float(t) / group_size(dp), ok, norm
 
 
 def _full_params(chunks) -> list[dict]:
@@ -366,7 +368,7 @@ _GROUPS: dict = {}
 
 
 def _world():
-    return _GROUPS["world"]
+    return _GROUPS.get("world")
 
 
 def _worker(rank: int, world: int, cases2: dict, cases4: dict) -> dict:
@@ -452,6 +454,91 @@ def _assert_params(got: list[dict], want: list[dict], rtol=1e-5, atol=1e-6, what
         assert g.keys() == w.keys()
         for k in g:
             torch.testing.assert_close(g[k], w[k].float(), rtol=rtol, atol=atol, msg=f"{what} stage {s} {k}")
+
+
+# -- in this process: layout arithmetic, bad input, one data-parallel rank ------------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=3), min_size=1, max_size=6),
+    dp=st.integers(1, 5), shard_align=st.integers(1, 16), param_align=st.integers(1, 8),
+)
+def test_layout_shards_are_equal_aligned_and_cover_each_parameter_once(shapes, dp, shard_align, param_align):
+    from megatron_bfpp.sharded import FlatLayout
+
+    lay = FlatLayout([(f"p{i}", s) for i, s in enumerate(shapes)], dp, shard_align, param_align)
+    assert lay.shard_numel % shard_align == 0 and lay.padded_numel == dp * lay.shard_numel >= lay.numel
+    for slot in lay.slots:
+        assert slot.start % param_align == 0
+        pieces = list(lay.pieces_of(slot))
+        assert sum(p.numel for _, p in pieces) == slot.numel
+        covered = [(p.param_lo, p.param_hi) for _, p in pieces]
+        assert covered[0][0] == 0 and covered[-1][1] == slot.numel
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # contiguous, in rank order
+        for r, p in pieces:
+            lo, _ = lay.shard_range(r)
+            assert lo + p.shard_lo == slot.start + p.param_lo
+            assert p in lay.pieces(r)
+
+
+def _fake_dp():
+    """A group object for D=1 without torch.distributed: every collective short-circuits."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is initialized in this process")
+    return object()
+
+
+def _wrap(module, **kw):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_bfpp.sharded import ShardedDataParallel
+
+    return ShardedDataParallel(SimpleNamespace(), DistributedDataParallelConfig(), module,
+                               pg_collection=SimpleNamespace(dp_cp=_fake_dp()), **kw)
+
+
+def test_bad_zero_stage_names_the_flag():
+    with pytest.raises(ValueError, match="--zero-stage must be 1, 2 or 3"):
+        _wrap(torch.nn.Linear(2, 2), zero_stage=4)
+
+
+def test_missing_data_parallel_group_is_named():
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_bfpp.sharded import ShardedDataParallel
+
+    with pytest.raises(ValueError, match="dp_cp"):
+        ShardedDataParallel(SimpleNamespace(), DistributedDataParallelConfig(), torch.nn.Linear(2, 2),
+                            pg_collection=SimpleNamespace())
+
+
+def test_parameter_shared_between_chunks_needs_the_tied_marker():
+    shared = torch.nn.Linear(2, 2)
+    _wrap(torch.nn.Sequential(shared))
+    with pytest.raises(ValueError, match="shared_embedding"):
+        _wrap(torch.nn.Sequential(shared))
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_single_rank_in_process_matches_reference(zero):
+    """D=1, no processes: the full path (buffers, hooks, driver, finalize, optimizer) against AdamW."""
+    from megatron_bfpp.schedule import make_schedule
+
+    dp = _fake_dp()
+    chunks, driver, opt = _build(3, True, zero, torch.float32, dp, SMALL_ALIGN)
+    sched = make_schedule("breadth-first", 1, 3, 2, zero_stage=zero)
+    losses = [_train_step(chunks, driver, opt, sched, global_batch(2, step), torch.float32, dp)[0]
+              for step in range(2)]
+    ref_losses, _, ref_params = reference(3, True, 2, 2)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    _assert_params(_full_params(chunks), ref_params, what=f"D=1 ZeRO-{zero}")
+    if zero == 3:
+        assert all(not b.pbuf.gathered for c in chunks for b in c.flat_buffers)  # released at rest
 
 
 # -- equivalence ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ stream wait for the collective (NCCL's `Work.wait` is stream-ordered, it does no
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -39,7 +39,6 @@ class RankStats:
     dp_allreduce_bytes: int = 0
     gathered_param_bytes: int = 0  # full-size parameter buffers currently allocated
     peak_gathered_param_bytes: int = 0
-    extra: dict = field(default_factory=dict)
 
     def reset(self) -> None:
         self.dp_allgather_calls = self.dp_allgather_bytes = 0

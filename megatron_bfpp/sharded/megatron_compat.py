@@ -70,8 +70,9 @@ def get_megatron_optimizer(
         g["params"] = [p for p in g["params"] if not (id(p) in seen or seen.add(id(p)))]
     grad_stats_groups = None
     if pg_collection is not None:
-        grad_stats_groups = [getattr(pg_collection, "dp_cp", None) or model_chunks[0].dp_group,
-                             getattr(pg_collection, "mp", None)]
+        mp = getattr(pg_collection, "mp", None)
+        grad_stats_groups = [getattr(pg_collection, "dp_cp", None) or model_chunks[0].dp_group] + (
+            [mp] if mp is not None else [getattr(pg_collection, "tp", None), getattr(pg_collection, "pp", None)])
     if dump_param_to_param_group_map is not None:
         _dump_param_groups(model_chunks, groups, dump_param_to_param_group_map)
     return ShardedOptimizer(model_chunks, config, param_groups=groups, grad_stats_groups=grad_stats_groups)

@@ -109,7 +109,9 @@ class ShardedOptimizer(MegatronOptimizer):
         self.dp_rank = first.dp_rank
         self.tp_group = first.tp_group
         if grad_stats_groups is None:
-            grad_stats_groups = [first.dp_group, first.mp_group]
+            # data parallel x model parallel; without a model-parallel group, tensor x pipeline parallel
+            grad_stats_groups = [first.dp_group] + (
+                [first.mp_group] if first.mp_group is not None else [first.tp_group, first.pp_group])
         self.grad_stats_groups = [g for g in grad_stats_groups if g is not None and comm.group_size(g) > 1]
         self._step = 0
         self._build_state(groups)
