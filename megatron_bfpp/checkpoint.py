@@ -106,8 +106,9 @@ def check_load_args(a: argparse.Namespace) -> None:
                               "(or drop --load to train from scratch)")
     found = resolve_load_dir(a.load, a.ckpt_step)
     if found is None and not (a.save and os.path.abspath(a.save) == os.path.abspath(a.load)):
-        raise CheckpointError(f"--load {a.load}: no checkpoint there ({TRACKER} missing); pass the --save directory "
-                              "of an earlier run, or drop --load (--save DIR --load DIR starts from scratch when empty)")
+        raise CheckpointError(f"--load {a.load}: no checkpoint there ({TRACKER} missing); pass the --save "
+                              "directory of an earlier run, or drop --load (--save DIR --load DIR starts from "
+                              "scratch when empty)")
 
 
 # ------------------------------------------------------------------------------------------------ state
@@ -199,17 +200,18 @@ def _layout(a: argparse.Namespace, model: Sequence[torch.nn.Module]) -> dict[str
 
 def build_state_dict(
     a: argparse.Namespace, model: Sequence[torch.nn.Module], optimizer: Any, scheduler: Any, iteration: int,
-    consumed_samples: int, *, loading: bool = False, load_optimizer: bool = True, load_rng: bool = True,
+    consumed_samples: int, *, loading: bool = False, include_rng: bool = True,
 ) -> dict:
-    """The sharded state dict Megatron-LM's generate_state_dict builds (for saving, or as the load template)."""
+    """The sharded state dict Megatron-LM's generate_state_dict builds (for saving, or as the load template).
+    `optimizer` None leaves the optimizer out (--no-save-optim, --no-load-optim)."""
     metadata = _sharded_metadata()
     sd: dict[str, Any] = {"checkpoint_version": 3.0, "iteration": iteration}
     for i, chunk in enumerate(model):
         sd[_model_key(i, len(model))] = chunk.sharded_state_dict(metadata=metadata)
-    if optimizer is not None and load_optimizer:
+    if optimizer is not None:
         model_sd = {"model": _one_sharded_tensor_per_param([sd[_model_key(i, len(model))] for i in range(len(model))])}
         sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata)
-    if load_rng:
+    if include_rng:
         sd["rng_state"] = _rng_sharded_object(None if loading else _rng_state())
     if not loading:
         a.consumed_train_samples = consumed_samples
@@ -298,7 +300,7 @@ def save_checkpoint(
         os.makedirs(tmp)
     dist.barrier()
     sd = build_state_dict(args, model, None if args.no_save_optim else optimizer, scheduler, iteration,
-                          consumed_samples, load_rng=not args.no_save_rng)
+                          consumed_samples, include_rng=not args.no_save_rng)
     dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(), validate_access_integrity=True,
                             preprocess_common_before_consistancy_check=_drop_rank_specific)
     if before_commit is not None:
@@ -379,12 +381,14 @@ def load_checkpoint(
     load_optim = not (finetune or args.no_load_optim)
     same_rng_grid = (layout.get("pp"), layout.get("tp")) == (ps.get_pipeline_model_parallel_world_size(),
                                                            ps.get_tensor_model_parallel_world_size())
-    load_rng = not (finetune or args.no_load_rng) and same_rng_grid and "rng_state" in _saved_keys(path)
-    if load_optim and "optimizer" not in common and not _has_optimizer(path):
+    saved_args = common.get("args")
+    load_rng = (not (finetune or args.no_load_rng) and same_rng_grid
+                and not getattr(saved_args, "no_save_rng", False))
+    if load_optim and "optimizer" not in common:  # its non-sharded part (step, groups) is always common
         raise CheckpointError(f"--load {root}: iteration {iteration} was saved with --no-save-optim; pass "
                               "--no-load-optim (or --finetune) to load the model only")
     template = build_state_dict(args, model, optimizer if load_optim else None, scheduler, iteration, 0,
-                                loading=True, load_rng=load_rng)
+                                loading=True, include_rng=load_rng)
     try:
         loaded = dist_checkpointing.load(template, path)
     except Exception as e:  # CheckpointingException and torch DCP errors: name the directory
@@ -405,11 +409,13 @@ def load_checkpoint(
                                   "values or --use-checkpoint-opt_param-scheduler to keep the checkpoint's") from None
     if load_rng:
         _set_rng_state(loaded["rng_state"][0])
+    elif getattr(saved_args, "no_save_rng", False):
+        log("RNG state not restored: the checkpoint has none (--no-save-rng)")
     elif not (finetune or args.no_load_rng):
         log(f"RNG state not restored: the checkpoint was written at P={layout.get('pp')} T={layout.get('tp')}")
     if finetune:
         return 0, 0
-    consumed = int(bfpp.get("consumed_train_samples", getattr(common.get("args"), "consumed_train_samples", 0)))
+    consumed = int(bfpp.get("consumed_train_samples", getattr(saved_args, "consumed_train_samples", 0)))
     log(f"loaded checkpoint {path} (iteration {iteration}, {consumed} samples consumed; written at "
         f"{_layout_text(layout)})")
     return iteration, consumed
@@ -421,17 +427,3 @@ def _layout_text(layout: dict) -> str:
     return (f"P={layout['pp']} V={layout['vp']} D={layout['dp']} T={layout['tp']}, ZeRO-{layout['zero_stage']}, "
             f"{layout['pipeline_schedule']}")
 
-
-def _saved_keys(path: str) -> set[str]:
-    """Top-level names of the sharded entries in a checkpoint (from its metadata, no tensor read)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    md = FileSystemReader(path).read_metadata()
-    return {k.split("/")[0].split(".")[0] for k in md.state_dict_metadata}
-
-
-def _has_optimizer(path: str) -> bool:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    md = FileSystemReader(path).read_metadata()
-    return any(k.startswith("optimizer.") for k in md.state_dict_metadata)
