@@ -397,8 +397,11 @@ class ShardedDataParallel(DistributedDataParallel):
             p.main_grad.mul_(scaling_factor)
 
     def zero_grad_buffer(self) -> None:
-        """Start of a training step: zero every gradient, free ZeRO-2/3 full gradient buffers, reset stats."""
-        self.wait_all()
+        """Start of a training step: zero every gradient, free ZeRO-2/3 full gradient buffers, reset stats.
+
+        A parameter all-gather still in flight (overlap_param_gather) is left to the next wait_params."""
+        for b in self.flat_buffers:
+            self._wait_reduces(b)
         for p in self.params_with_grad:
             p.grad_added_to_main_grad = False
         for b in self.flat_buffers:

@@ -40,7 +40,7 @@ def finalize_model_grads(
     if pg_collection is not None:
         tp_group = getattr(pg_collection, "tp", None) or tp_group
         pp_group = getattr(pg_collection, "pp", None) or pp_group
-        embd_group = getattr(pg_collection, "embd", None) if hasattr(pg_collection, "embd") else embd_group
+        embd_group = getattr(pg_collection, "embd", None) or embd_group
         dp_group = getattr(pg_collection, "dp_cp", None) or dp_group
 
     for c in chunks:
