@@ -100,11 +100,14 @@ def check_load_args(a: argparse.Namespace) -> None:
             raise CheckpointError("--ckpt-step needs --load DIR")
         return
     if not os.path.isdir(a.load):
-        if a.save and os.path.abspath(a.save) == os.path.abspath(a.load):
+        if a.save and os.path.abspath(a.save) == os.path.abspath(a.load) and not a.exit_on_missing_checkpoint:
             return  # restartable job (--save DIR --load DIR): the first run starts from scratch
         raise CheckpointError(f"--load {a.load}: no such directory; pass the --save directory of an earlier run "
                               "(or drop --load to train from scratch)")
     found = resolve_load_dir(a.load, a.ckpt_step)
+    if found is None and a.exit_on_missing_checkpoint:
+        raise CheckpointError(f"--load {a.load}: no checkpoint there ({TRACKER} missing) and "
+                              "--exit-on-missing-checkpoint is set")
     if found is None and not (a.save and os.path.abspath(a.save) == os.path.abspath(a.load)):
         raise CheckpointError(f"--load {a.load}: no checkpoint there ({TRACKER} missing); pass the --save "
                               "directory of an earlier run, or drop --load (--save DIR --load DIR starts from "

@@ -35,7 +35,7 @@ ENV = "BFPP_FAULT_INJECT"
 KILL_POINTS = ("forward", "backward", "optimizer", "save")
 VALUE_POINTS = ("nan_loss", "nan_grad", "inf_grad")
 POINTS = KILL_POINTS + VALUE_POINTS
-PEER_FAILURE_GRACE_S = float(os.environ.get("BFPP_PEER_FAILURE_GRACE_S", "2"))
+PEER_FAILURE_GRACE_S = float(os.environ.get("BFPP_PEER_FAILURE_GRACE_S", "3"))
 _PEER_TEXT = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout",
               "connection refused", "socket closed")
 

@@ -83,6 +83,8 @@ CASES = [
     ("load-empty-dir", lambda d: _with(BASE + GPIPE, load=d["empty"]), 1, "--load"),
     ("load-dangling-tracker", lambda d: _with(BASE + GPIPE, load=d["dangling"]), 1, "--load"),
     ("load-garbled-tracker", lambda d: _with(BASE + GPIPE, load=d["garbled"]), 1, "--load"),
+    ("load-empty-exit-on-missing", lambda d: _with(BASE + GPIPE, load=d["empty"], save=d["empty"],
+                                                   exit_on_missing_checkpoint=None), 1, "--exit-on-missing-checkpoint"),
     ("ckpt-step-without-load", lambda d: _with(BASE + GPIPE, ckpt_step=3), 1, "--ckpt-step"),
     ("save-interval-without-save", lambda d: _with(BASE + GPIPE, save_interval=2), 1, "--save-interval"),
     ("save-interval-zero", lambda d: _with(BASE + GPIPE, save=d["empty"], save_interval=0), 1, "--save-interval"),
