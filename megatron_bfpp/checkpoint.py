@@ -397,7 +397,7 @@ def load_checkpoint(
     except Exception as e:  # CheckpointingException and torch DCP errors: name the directory
         raise CheckpointError(f"--load {root}: loading iteration {iteration} from {path} failed: {e}") from e
     for i, chunk in enumerate(model):
-        chunk.load_state_dict(loaded[_model_key(i, len(model))], strict=False)
+        chunk.load_state_dict(_module_keys(loaded[_model_key(i, len(model))], chunk))  # strict: every tensor
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
     else:
@@ -422,6 +422,18 @@ def load_checkpoint(
     log(f"loaded checkpoint {path} (iteration {iteration}, {consumed} samples consumed; written at "
         f"{_layout_text(layout)})")
     return iteration, consumed
+
+
+def _module_keys(state: dict, chunk: torch.nn.Module) -> dict:
+    """The loaded model state in the keys `chunk.load_state_dict` takes.
+
+    ShardedDataParallel names its sharded tensors from the wrapper ("module." + the model's keys) but, like
+    Megatron's DDP, loads the wrapped model's own keys.
+    """
+    prefix = "module."
+    if hasattr(chunk, "module") and state and all(k.startswith(prefix) for k in state):
+        return {k[len(prefix):]: v for k, v in state.items()}
+    return state
 
 
 def _layout_text(layout: dict) -> str:

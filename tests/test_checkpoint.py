@@ -4,7 +4,8 @@ Reference layout: D = 2, P = 2, V = 2, breadth-first, ZeRO-3, fp32 on CPU (4 glo
   A: 6 iterations straight.  B: the same run stopped after 3 (--save, --exit-interval 3).  C: --load B's
   checkpoint, 3 more.  C's losses equal A's iterations 4-6 bit for bit.
   D: B's checkpoint at D = 4, P = 1, V = 2 (breadth-first, ZeRO-2); E: at D = 1, P = 2, V = 1 (gpipe, ZeRO-1):
-  both continue with A's losses within fp32 tolerance (the optimizer state is resharded).
+  both continue with A's losses within fp32 tolerance (the optimizer state is resharded). With
+  --no-load-optim the loaded weights alone give A's iteration-4 loss.
 Interrupted save: F loads B's checkpoint at E's layout and saves every iteration; rank 1 is SIGKILLed while
 the iteration-4 checkpoint is written (shards on disk, not committed). The tracker still names iteration 3,
 which E then loads; E's iteration 4 equals F's, and E's own save removes F's leftover.
@@ -66,6 +67,7 @@ def _reference_worker(rank: int, world: int, ckpt: str, killed_ckpt: str) -> dic
         out["tracker_after_B"] = f.read()
     out["C"] = _train(BASE + REFERENCE + ["--load", ckpt], world)
     out["D"] = _train(BASE + D4_P1_V2 + ["--load", ckpt], world)
+    out["model_only"] = _train(BASE + REFERENCE + ["--load", ckpt, "--no-load-optim", "--exit-interval", "4"], world)
     out["R"] = _train(BASE + REFERENCE + ["--load", killed_ckpt], world)
     return out
 
@@ -132,6 +134,11 @@ def test_killed_run_resumes_with_nothing_lost(killed, reference):
     logged = {int(i): v for i, v in re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|", killed["out"])}
     assert logged == {i + 1: f"{a[i]:.6E}" for i in range(5)}  # A's run, up to the iteration that died
     assert reference["R"] == a[3:]  # resumed from iteration 3: iterations 4-6 exactly as uninterrupted
+
+
+def test_model_weights_load_without_the_optimizer(reference):
+    # Iteration 4's loss is the forward pass of the loaded weights: it must not need the optimizer state.
+    assert reference["model_only"] == reference["A"][3:4]
 
 
 def test_checkpoint_layout_on_disk(reference):
