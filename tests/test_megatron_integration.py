@@ -680,3 +680,51 @@ def test_timeline_recorder_records_training_calls_only(tmp_path: Path, monkeypat
     assert fb_module._state["recorder"] is None
     with pytest.raises(FileNotFoundError, match="no rank files"):
         merge(tmp_path / "other.json")
+
+
+def _gathered_checkpoint_worker(rank: int, world: int) -> dict:
+    """ZeRO-3 chunk on a one-rank world: Megatron-LM's save/load, as rebound by install(), see full weights."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from types import SimpleNamespace
+
+    from megatron_bfpp.megatron.install import with_gathered_params
+    from megatron_bfpp.sharded import ShardedDataParallel
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 3)
+    expected = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    chunk = ShardedDataParallel(SimpleNamespace(), DistributedDataParallelConfig(), module,
+                                pg_collection=SimpleNamespace(dp_cp=dist.new_group([0])), zero_stage=3)
+    seen = {}
+
+    def save_checkpoint(iteration, model, optimizer, scheduler):
+        seen["saved"] = {k: v.detach().clone() for k, v in model[0].module.state_dict().items()}
+
+    def load_checkpoint(ddp_model, optimizer, scheduler):
+        with torch.no_grad():
+            ddp_model[0].module.weight.fill_(2.0)
+        return 7, 0
+
+    at_rest = module.weight.untyped_storage().size()
+    with_gathered_params(save_checkpoint, writeback=False)(1, [chunk], None, None)
+    assert with_gathered_params(load_checkpoint, writeback=True)([chunk], None, None) == (7, 0)
+    after_rest = module.weight.untyped_storage().size()
+    with chunk.full_params():
+        loaded = module.weight.detach().clone()
+    return {"expected": expected, "saved": seen["saved"], "at_rest": at_rest, "after_rest": after_rest,
+            "loaded": loaded}
+
+
+def test_zero3_checkpoint_calls_see_gathered_weights_and_load_writes_back():
+    import torch
+
+    from tests.distributed import run_distributed
+
+    out = run_distributed(_gathered_checkpoint_worker, 1)[0]
+    assert out["at_rest"] == 0 and out["after_rest"] == 0  # sharded at rest before and after
+    for k, v in out["expected"].items():
+        torch.testing.assert_close(out["saved"][k], v)
+    assert torch.equal(out["loaded"], torch.full((3, 4), 2.0))

@@ -50,6 +50,11 @@ SHARDED_POINTS = (
     RebindPoint(TRAINING, "get_megatron_optimizer"),
     RebindPoint(TRAINING, "finalize_model_grads"),
 )
+# ZeRO-3 keeps parameters sharded at rest; Megatron-LM's checkpointing reads and writes them directly.
+CHECKPOINT_POINTS = (
+    RebindPoint(TRAINING, "save_checkpoint"),
+    RebindPoint(TRAINING, "load_checkpoint"),
+)
 
 
 def megatron_core_version() -> str:

@@ -8,6 +8,7 @@ Megatron untouched.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import os
 import sys
@@ -122,6 +123,25 @@ def _sharded_replacements(zero_stage: int) -> dict[str, Any]:
     }
 
 
+def with_gathered_params(checkpoint_fn: Callable, writeback: bool) -> Callable:
+    """Megatron-LM's save_checkpoint(iteration, model, ...) / load_checkpoint(model, ...) run with every ZeRO-3
+    parameter gathered (empty at rest otherwise); loading writes the loaded values back into the shards."""
+
+    @functools.wraps(checkpoint_fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        from megatron_bfpp.sharded.ddp import gathered_params
+
+        position = 0 if writeback else 1  # load_checkpoint(ddp_model, ...) / save_checkpoint(iteration, model, ...)
+        model = kwargs.get("ddp_model", kwargs.get("model"))
+        if model is None and len(args) > position:
+            model = args[position]
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        with gathered_params(chunks, writeback=writeback):
+            return checkpoint_fn(*args, **kwargs)
+
+    return call
+
+
 def install(args: argparse.Namespace) -> PluginConfig:
     """Validate `args` (Megatron-LM's, parsed with `add_arguments` and validated by Megatron) and take over the
     pieces of Megatron-LM's training loop the flags ask for. Call it after argument parsing, before the model and
@@ -141,6 +161,11 @@ def install(args: argparse.Namespace) -> PluginConfig:
         replacements = _sharded_replacements(cfg.zero_stage)
         for mod, point in compat.resolve(compat.SHARDED_POINTS):
             plan.append((mod, point.attr, replacements[point.attr]))
+    if cfg.zero_stage == 3:
+        for mod, point in compat.resolve(compat.CHECKPOINT_POINTS):
+            original = getattr(mod, point.attr)
+            original = getattr(original, "__wrapped__", original)
+            plan.append((mod, point.attr, with_gathered_params(original, writeback=point.attr == "load_checkpoint")))
     version = compat.megatron_core_version()
     if plan and not compat.is_supported(version):
         warnings.warn(f"megatron_bfpp: megatron-core {version} is not a tested version "

@@ -178,6 +178,11 @@ def validate_args(args: argparse.Namespace) -> PluginConfig:
             f"{flag} cannot run under --pipeline-schedule {schedule} (FSDP re-gathers weights on every micro-batch "
             f"and is not pipeline-aware): drop {flag} and use --zero-stage 3 for schedule-placed weight sharding"
         )
+    if zero == 3 and _flag(args, "async_save", False):
+        raise ConfigError(
+            "--async-save with --zero-stage 3: weights are gathered only for the duration of a synchronous save; "
+            "drop --async-save (or use --zero-stage 2)"
+        )
     if zero is not None:
         if distopt:
             raise ConfigError(
