@@ -664,6 +664,8 @@ def test_timeline_recorder_records_training_calls_only(tmp_path: Path, monkeypat
     from megatron_bfpp.runtime import forward_backward as fb_module
 
     monkeypatch.setenv("RANK", "3")
+    # Other tests may leave a one-process group initialised in this interpreter: take the rank from RANK.
+    monkeypatch.setattr("megatron_bfpp.megatron.timeline._global_rank", lambda: 3)
     seen = []
 
     def fake_forward_backward(**kwargs):
