@@ -31,11 +31,22 @@ def _iteration_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated iteration numbers, got {text!r}") from None
 
 
+def _escape_bare_percent_in_help(parser: argparse.ArgumentParser) -> None:
+    """Some Megatron help texts carry a bare '%' that makes argparse's --help raise; print them literally."""
+    for action in parser._actions:
+        if action.help and "%" in action.help:
+            try:
+                action.help % {k: "" for k in ("default", "prog", "type", "choices", "dest", "metavar")}
+            except (ValueError, TypeError, KeyError):
+                action.help = action.help.replace("%", "%%")
+
+
 def trainer_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The plugin's flags (as in the Megatron-LM integration) with trainer defaults, plus trainer-only flags."""
     from .megatron.flags import add_arguments
 
     add_arguments(parser)
+    _escape_bare_percent_in_help(parser)
     # The trainer always runs our runtime (no stock schedule to fall back to) and our sharded optimizer.
     parser._option_string_actions["--pipeline-schedule"].choices = SCHEDULE_NAMES
     parser.set_defaults(pipeline_schedule="breadth-first", zero_stage=1)
