@@ -8,8 +8,6 @@ Run under torchrun (`torchrun --nproc-per-node 4 -m megatron_bfpp.train ...`) or
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import sys

@@ -8,10 +8,9 @@ Megatron-Core's own `forward_step` / `backward_step` (same loss scaling, same ou
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from megatron.core.pipeline_parallel.schedules import (
     backward_step,
     check_first_val_step,
@@ -282,6 +281,3 @@ class ScheduleExecutor:
     def _do_REDUCE(self, a: Action) -> None:
         self.driver.reduce(self.schedule.chunk_of(a.stage))
 
-
-def rank_of_group(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0

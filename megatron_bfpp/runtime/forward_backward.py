@@ -9,7 +9,6 @@ executes it.
 from __future__ import annotations
 
 import functools
-import os
 import zlib
 from typing import Any, Callable, Sequence
 
@@ -224,7 +223,3 @@ def get_forward_backward_func(
     forward_backward.pipeline_schedule = pipeline_schedule  # type: ignore[attr-defined]
     return forward_backward
 
-
-def wait_timeout_from_env() -> float | None:
-    v = os.environ.get("BFPP_WAIT_TIMEOUT_S")
-    return float(v) if v else None

@@ -14,7 +14,7 @@ import functools
 from dataclasses import dataclass, field
 
 from ..schedule import SCHEDULE_NAMES, ScheduleError
-from .costs import ADAM_BYTES_PER_PARAM, Config, Placement, head_times, layer_times, memory_breakdown
+from .costs import ADAM_BYTES_PER_PARAM, Config, head_times, layer_times, memory_breakdown
 from .hardware import GIB, Hardware
 from .model import GPTModel, Partition
 from .predict import Prediction, check_config, config_dict, memory, predict
