@@ -12,6 +12,7 @@ import io
 import os
 import sys
 
+from .megatron.validation import megatron_flag_text
 from .schedule import ScheduleError, build
 from .schedule.ir import SCHEDULE_NAMES
 
@@ -142,7 +143,7 @@ def check_trainer_args(a: argparse.Namespace, world_size: int) -> None:
         build(a.pipeline_schedule, pp, vp, m, a.microbatch_group_size_per_vp_stage
               if a.pipeline_schedule in ("interleaved-1f1b", "breadth-first") else None)
     except ScheduleError as e:
-        raise TrainerConfigError(f"{_megatron_flag_names(str(e))} (M = {m} micro-batches per step = "
+        raise TrainerConfigError(f"{megatron_flag_text(str(e))} (M = {m} micro-batches per step = "
                                  f"--global-batch-size / (--micro-batch-size x data-parallel size))") from None
     if a.fp16 and a.bf16:
         raise TrainerConfigError("--fp16 and --bf16 are exclusive: choose one")
@@ -229,16 +230,6 @@ def _is_number(s: str) -> bool:
         return True
     except ValueError:
         return False
-
-
-def _megatron_flag_names(text: str) -> str:
-    return (text.replace("--schedule (--pipeline-schedule)", "--pipeline-schedule")
-            .replace("--group-size (--microbatch-group-size-per-virtual-pipeline-stage)",
-                     "--microbatch-group-size-per-virtual-pipeline-stage")
-            .replace("--group-size", "--microbatch-group-size-per-virtual-pipeline-stage")
-            .replace("set --vp (or --num-layers-per-virtual-pipeline-stage)",
-                     "set --num-layers-per-virtual-pipeline-stage")
-            .replace("--pp (--pipeline-model-parallel-size)", "--pipeline-model-parallel-size"))
 
 
 def parse_trainer_args(argv: list[str], world_size: int | None = None) -> argparse.Namespace:
