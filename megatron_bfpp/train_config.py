@@ -80,18 +80,17 @@ def check_version() -> None:
         )
 
 
-def _vp_size(a: argparse.Namespace, pp: int) -> int:
-    if a.num_virtual_stages_per_pipeline_rank:
-        return a.num_virtual_stages_per_pipeline_rank
-    lpvs = a.num_layers_per_virtual_pipeline_stage
-    if not lpvs:
-        return 1
-    if a.num_layers % (pp * lpvs):
-        raise TrainerConfigError(
-            f"--num-layers {a.num_layers} must be divisible by --pipeline-model-parallel-size {pp} x "
-            f"--num-layers-per-virtual-pipeline-stage {lpvs}: change one of them"
-        )
-    return a.num_layers // (pp * lpvs)
+def _stage_shape(a: argparse.Namespace, pp: int) -> int:
+    """V from Megatron's virtual-stage flags, checked (with the layers per stage) by the model builder's rules."""
+    from .model import layers_per_stage, vp_size_from_layers_per_virtual_stage
+
+    try:
+        vp = a.num_virtual_stages_per_pipeline_rank or vp_size_from_layers_per_virtual_stage(
+            a.num_layers, pp, a.num_layers_per_virtual_pipeline_stage)
+        layers_per_stage(a.num_layers, pp, vp)
+    except ValueError as e:
+        raise TrainerConfigError(str(e)) from None
+    return vp
 
 
 def check_trainer_args(a: argparse.Namespace, world_size: int) -> None:
@@ -128,10 +127,7 @@ def check_trainer_args(a: argparse.Namespace, world_size: int) -> None:
     if a.max_position_embeddings is not None and a.seq_length > a.max_position_embeddings:
         raise TrainerConfigError(f"--seq-length {a.seq_length} exceeds --max-position-embeddings "
                                  f"{a.max_position_embeddings}: raise the latter")
-    vp = _vp_size(a, pp)
-    if a.num_layers % (pp * vp):
-        raise TrainerConfigError(f"--num-layers {a.num_layers} must be divisible by --pipeline-model-parallel-size "
-                                 f"{pp} x virtual stages {vp}")
+    vp = _stage_shape(a, pp)
     gbs = a.global_batch_size or a.micro_batch_size * dp
     if gbs % (a.micro_batch_size * dp):
         raise TrainerConfigError(
