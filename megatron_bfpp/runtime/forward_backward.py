@@ -82,7 +82,8 @@ def _make_driver(model: Sequence[torch.nn.Module], config: Any) -> tuple[DataPar
     except ImportError:  # sharded package not importable: only Megatron's own DDP can be used
         ShardedDataParallel = None  # type: ignore[assignment]
     if ShardedDataParallel is not None and isinstance(model[0], ShardedDataParallel):
-        return ShardedDriver(list(model)), int(model[0].zero_stage)
+        driver = ShardedDriver(list(model))
+        return driver, driver.zero_stage
     return MegatronConfigDriver(model, config), 1
 
 
