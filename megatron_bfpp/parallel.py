@@ -80,7 +80,8 @@ def init_parallel(
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
+        # Megatron's groups know no virtual stages at P = 1; the model builder handles that case itself.
+        virtual_pipeline_model_parallel_size=vp if vp and vp > 1 and pp > 1 else None,
         # Megatron multiplies by timedelta(minutes=...); a float keeps sub-minute test timeouts.
         distributed_timeout_minutes=timeout.total_seconds() / 60,
     )

@@ -37,8 +37,7 @@ class Trainer:
         self.args = args
         parallel.init_parallel(
             args.pipeline_model_parallel_size,
-            # Megatron's groups know no virtual stages at P = 1; the model builder handles that case itself.
-            args.virtual_pipeline_model_parallel_size if args.pipeline_model_parallel_size > 1 else None,
+            args.virtual_pipeline_model_parallel_size,
             args.tensor_model_parallel_size,
             distributed_timeout_minutes=args.distributed_timeout_minutes,
             distributed_timeout_seconds=args.distributed_timeout_seconds,
