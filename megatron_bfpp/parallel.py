@@ -21,7 +21,7 @@ from megatron.core import parallel_state as ps
 
 from .runtime.p2p import channel_groups, reset_runtime_groups
 
-_P2P_GROUPS: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+_P2P_GROUPS: dict[str, dist.ProcessGroup] | None = None
 _OWNS_DEFAULT_GROUP = False  # destroy_parallel only tears down a default group that init_parallel created
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -171,7 +171,7 @@ def pp_p2p_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     if _P2P_GROUPS is None:
         raise RuntimeError("p2p groups missing: Megatron's groups were initialised without "
                            "megatron_bfpp.parallel.init_parallel(); call it instead")
-    return _P2P_GROUPS
+    return _P2P_GROUPS["activations"], _P2P_GROUPS["gradients"]
 
 
 def set_seed(seed: int) -> None:

@@ -18,7 +18,7 @@ from megatron.core.pipeline_parallel.schedules import (
     forward_step,
 )
 
-from ..schedule.ir import Action, Op, Schedule
+from ..schedule.ir import P2P_OPS, Action, Op, Schedule
 from .hooks import DataParallelDriver
 from .p2p import PendingTransfer, PipelineP2P
 from .recorder import ActionRecorder
@@ -46,6 +46,7 @@ class ScheduleExecutor:
         recorder: ActionRecorder | None = None,
         wait_timeout_s: float | None = None,
         global_rank: int = 0,
+        cp_group_size: int = 1,
     ) -> None:
         self.schedule = schedule
         self.actions = schedule.ranks[pp_rank]
@@ -63,10 +64,12 @@ class ScheduleExecutor:
         self.recorder = recorder
         self.timeout = None if wait_timeout_s is None else datetime.timedelta(seconds=wait_timeout_s)
         self.global_rank = global_rank
+        self.cp_group_size = cp_group_size
         self.forward_only = schedule.forward_only
         self.last_stage = schedule.num_stages - 1
         self.forward_data_store: list = []
-        self.total_num_tokens = torch.zeros([], dtype=torch.int)
+        # On the model's device: the loss function's token count lives there, and finalize reduces it.
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=p2p.device)
         # (stage, microbatch) -> tensors kept between F and B
         self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -80,11 +83,6 @@ class ScheduleExecutor:
         self.saved_bytes: dict[tuple[int, int], int] = {}
         self.activation_bytes = 0
         self.peak_activation_bytes = 0
-        self._recv_positions = [i for i, a in enumerate(self.actions) if a.op in (Op.RECV_F, Op.RECV_B)]
-        self._next_recv = 0
-        compute = [i for i, a in enumerate(self.actions) if a.op in (Op.F, Op.B)]
-        # position of a compute action -> position of the next compute action (or the end)
-        self._next_compute = dict(zip(compute, compute[1:] + [len(self.actions)]))
 
     def _per_chunk_iterators(self, data_iterator: Any) -> list:
         n = len(self.model)
@@ -114,7 +112,7 @@ class ScheduleExecutor:
             return
         t = self.recorder.start() if self.recorder else None
         try:
-            if self.timeout is not None:
+            if self.timeout is not None and self.p2p.host_blocking_waits:
                 ok = pending.work.wait(self.timeout)
                 if ok is False:
                     raise TimeoutError(f"no completion within {self.timeout.total_seconds():g} s")
@@ -126,17 +124,27 @@ class ScheduleExecutor:
         if self.recorder:
             self.recorder.stop(t, action, wait=True)
 
-    def _post_receives_until(self, position: int) -> None:
-        """Post (non-blocking) every receive that appears in the schedule before `position`, in order."""
-        while self._next_recv < len(self._recv_positions) and self._recv_positions[self._next_recv] < position:
-            a = self.actions[self._recv_positions[self._next_recv]]
-            gradient = a.op == Op.RECV_B
-            src = self.schedule.rank_of(a.stage + 1 if gradient else a.stage - 1)
-            try:
-                self.receives[a] = self.p2p.irecv(self.tensor_shape, self.dtype, src, gradient)
-            except Exception as e:
-                raise self._fail(a, self.p2p.peer(src), "posting receive", e) from e
-            self._next_recv += 1
+    def _post(self, group: list[Action]) -> None:
+        """Post one p2p action, or one batch of them, exactly as the schedule lists them."""
+        ops = []
+        for a in group:
+            if a.op == Op.SEND_F:
+                key, dst = (a.stage, a.microbatch), self.schedule.rank_of(a.stage + 1)
+                tensor = self.outputs[key] if not self.forward_only else self.local_activation.pop(key)
+                ops.append((a, dst, self.p2p.send_op(tensor, dst, a.comm)))
+            elif a.op == Op.SEND_B:
+                dst = self.schedule.rank_of(a.stage - 1)
+                ops.append((a, dst, self.p2p.send_op(self.input_grads.pop((a.stage, a.microbatch)), dst, a.comm)))
+            else:
+                src = self.schedule.rank_of(a.stage + 1 if a.op == Op.RECV_B else a.stage - 1)
+                ops.append((a, src, self.p2p.recv_op(self.tensor_shape, self.dtype, src, a.comm)))
+        try:
+            self.p2p.post([op for _, _, op in ops])
+        except Exception as e:
+            a, peer, _ = ops[0]
+            raise self._fail(a, self.p2p.peer(peer), "posting " + " ".join(b.text for b, _, _ in ops), e) from e
+        for a, _, (_, pending) in ops:
+            (self.receives if a.op in (Op.RECV_F, Op.RECV_B) else self.sends)[a] = pending
 
     def _reap_sends(self, block: bool = False) -> None:
         """Free pipeline outputs whose sends completed (Megatron deallocates an output once it is sent)."""
@@ -155,16 +163,24 @@ class ScheduleExecutor:
 
     def run(self) -> list:
         self.driver.start_step(self.forward_only)
-        for i, action in enumerate(self.actions):
+        i = 0
+        while i < len(self.actions):
+            action = self.actions[i]
             self.step = i
+            if action.op in P2P_OPS:
+                end = i + 1
+                while action.batch is not None and end < len(self.actions) and self.actions[end].batch == action.batch:
+                    end += 1
+                self._post(self.actions[i:end])
+                i = end
+                continue
             if action.op in (Op.F, Op.B):
-                # Pre-post the receives of the next compute so they overlap this one.
-                self._post_receives_until(self._next_compute[i])
                 self._reap_sends()
             t = self.recorder.start() if self.recorder else None
             getattr(self, "_do_" + action.op.value)(action)
-            if self.recorder and action.op not in (Op.RECV_F, Op.RECV_B):
+            if self.recorder:
                 self.recorder.stop(t, action)
+            i += 1
         self.step = len(self.actions)
         self._reap_sends(block=True)
         t = self.recorder.start() if self.recorder else None
@@ -177,26 +193,6 @@ class ScheduleExecutor:
                 f"{len(self.receives)} receives unconsumed"
             )
         return self.forward_data_store
-
-    def _do_RECV_F(self, a: Action) -> None:
-        self._post_receives_until(self.step + 1)
-
-    _do_RECV_B = _do_RECV_F
-
-    def _do_SEND_F(self, a: Action) -> None:
-        key = (a.stage, a.microbatch)
-        out = self.outputs[key] if not self.forward_only else self.local_activation.pop(key)
-        try:
-            self.sends[a] = self.p2p.isend(out, self.schedule.rank_of(a.stage + 1), gradient=False)
-        except Exception as e:
-            raise self._fail(a, self.p2p.peer(self.schedule.rank_of(a.stage + 1)), "send", e) from e
-
-    def _do_SEND_B(self, a: Action) -> None:
-        grad = self.input_grads.pop((a.stage, a.microbatch))
-        try:
-            self.sends[a] = self.p2p.isend(grad, self.schedule.rank_of(a.stage - 1), gradient=True)
-        except Exception as e:
-            raise self._fail(a, self.p2p.peer(self.schedule.rank_of(a.stage - 1)), "send", e) from e
 
     def _do_F(self, a: Action) -> None:
         s, m = a.stage, a.microbatch
@@ -218,6 +214,8 @@ class ScheduleExecutor:
         def pack(t: torch.Tensor) -> torch.Tensor:
             if t.is_leaf and t.requires_grad:  # a parameter: not an activation
                 return t
+            if type(t) is not torch.Tensor:  # wrapper subclasses (e.g. FP8 tensors) have no plain storage
+                return t
             ptr = t.untyped_storage().data_ptr()
             if ptr not in seen:
                 seen.add(ptr)
@@ -229,7 +227,8 @@ class ScheduleExecutor:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             output, num_tokens = forward_step(
                 self.forward_step_func, self.data_iterators[chunk], self.model[chunk], self.schedule.microbatches,
-                input_tensor, self.forward_data_store, self.config, 1, self.collect_non_loss_data, None, is_first,
+                input_tensor, self.forward_data_store, self.config, self.cp_group_size, self.collect_non_loss_data,
+                None, is_first,
                 current_microbatch=m, vp_stage=chunk, is_last_stage=(s == self.last_stage),
             )
         if not self.forward_only:

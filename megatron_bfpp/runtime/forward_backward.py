@@ -23,7 +23,7 @@ from .p2p import PipelineP2P
 from .recorder import ActionRecorder
 
 _state: dict[str, Any] = {"recorder": None, "wait_timeout_s": None, "last_schedule": None, "p2p": {},
-                          "last_run": {}}
+                          "last_run": {}, "agreed": set()}
 
 
 def set_recorder(recorder: ActionRecorder | None) -> None:
@@ -88,10 +88,17 @@ def _make_driver(model: Sequence[torch.nn.Module], config: Any) -> tuple[DataPar
 
 
 def _handshake(schedule: Schedule, groups: dict[str, dist.ProcessGroup | None], device: torch.device) -> None:
-    """All ranks of the pipeline and data-parallel groups must execute the same schedule: compare fingerprints."""
+    """All ranks of the pipeline and data-parallel groups must execute the same schedule: compare fingerprints.
+
+    Once per distinct (schedule, groups): the exchange syncs the host, so it must not run every iteration.
+    Every rank of a group sees the same sequence of schedules, so all of them skip or exchange together.
+    """
     fields = [zlib.crc32(schedule.name.encode()), schedule.pp, schedule.vp, schedule.microbatches,
               schedule.group_size or 0, schedule.zero_stage or 0, int(schedule.forward_only),
               schedule.weight_buffers, schedule.grad_buffers]
+    key = (tuple(fields), tuple(tuple(dist.get_process_group_ranks(g)) if g is not None else () for g in groups.values()))
+    if key in _state["agreed"]:
+        return
     names = ["schedule", "P", "V", "M", "group size", "ZeRO stage", "forward-only", "weight buffers",
              "grad buffers"]
     mine = torch.tensor(fields, dtype=torch.int64, device=device)
@@ -110,6 +117,7 @@ def _handshake(schedule: Schedule, groups: dict[str, dist.ProcessGroup | None], 
                     f"rank {dist.get_rank()}: {kind}-parallel rank {r} runs a different schedule ({diff}); every "
                     "rank must get the same --pipeline-schedule, micro-batch counts, group size and --zero-stage"
                 )
+    _state["agreed"].add(key)
 
 
 def get_forward_backward_func(
@@ -146,6 +154,10 @@ def get_forward_backward_func(
                              "interleaved schedule)")
         chunks = model if isinstance(model, list) else [model]
         config = get_model_config(chunks[0])
+        if getattr(config, "num_microbatches_with_partial_activation_checkpoints", None) is not None:
+            raise ValueError(
+                f"--num-microbatches-with-partial-activation-checkpoints is not supported with --pipeline-schedule "
+                f"{pipeline_schedule}: remove it (recompute every micro-batch with --recompute-granularity, or none)")
         pp_group = _pp_group(pg_collection)
         pp = dist.get_world_size(pp_group) if pp_group is not None else 1
         pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
@@ -203,6 +215,7 @@ def get_forward_backward_func(
             data_iterator=data_iterator, config=config, tensor_shape=tensor_shape, p2p=p2p, driver=driver,
             collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step, recorder=recorder,
             wait_timeout_s=_state["wait_timeout_s"], global_rank=dist.get_rank() if dist.is_initialized() else 0,
+            cp_group_size=cp,
         )
         sent_before = p2p.sent_bytes
         store = executor.run()

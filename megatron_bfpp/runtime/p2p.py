@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-_CHANNEL_CACHE: dict[tuple[int, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+# The communicators a schedule's p2p actions name (`Action.comm`).
+CHANNELS = ("activations", "gradients")
+_CHANNEL_CACHE: dict[tuple[int, ...], dict[str, dist.ProcessGroup]] = {}
 
 
 def pipeline_ranks(pp_group: dist.ProcessGroup | None) -> list[int]:
@@ -24,26 +26,60 @@ def pipeline_ranks(pp_group: dist.ProcessGroup | None) -> list[int]:
     return dist.get_process_group_ranks(pp_group)
 
 
-def channel_groups(pp_group: dist.ProcessGroup, timeout_s: float | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(activation group, gradient group) over the ranks of `pp_group`, created once on every rank.
+def _pipeline_pg_options(pp_group: dist.ProcessGroup) -> object | None:
+    """The NCCL options the pipeline group was created with (Megatron's --nccl-communicator-config-path), so the
+    channel groups get the same; None on other backends or when torch does not expose them."""
+    try:
+        if dist.get_backend(pp_group) != "nccl":
+            return None
+        return pp_group._get_backend(torch.device("cuda")).options
+    except Exception:  # private API: fall back to defaults rather than fail
+        return None
+
+
+def default_timeout_s() -> float | None:
+    """Megatron-LM's --distributed-timeout-minutes when Megatron's arguments are set, else None (torch's)."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        minutes = getattr(get_args(), "distributed_timeout_minutes", None)
+    except Exception:  # Megatron-LM's globals not initialised: standalone use of megatron-core
+        return None
+    return None if minutes is None else 60.0 * minutes
+
+
+def channel_groups(pp_group: dist.ProcessGroup, timeout_s: float | None = None,
+                   device: torch.device | None = None) -> dict[str, dist.ProcessGroup]:
+    """{"activations": group, "gradients": group} over the ranks of `pp_group`, created once on every rank.
 
     `new_group` is collective over the whole world, so all pipeline groups' rank lists are exchanged first and
-    every rank creates every pair in the same order.
+    every rank creates every pair in the same order. The groups take the given timeout (default:
+    --distributed-timeout-minutes) and the pipeline group's NCCL options. One all-reduce on each new group
+    initialises its communicator on all ranks: NCCL requires every rank of a group to take part in its first
+    batched p2p call, which a schedule's batch between two of P ranks would not.
     """
     mine = tuple(pipeline_ranks(pp_group))
     if mine in _CHANNEL_CACHE:
         return _CHANNEL_CACHE[mine]
     all_lists: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_lists, mine)
-    kwargs = {}
+    kwargs: dict = {}
+    timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    options = _pipeline_pg_options(pp_group)
+    if options is not None:
+        kwargs["pg_options"] = options
     backend = dist.get_backend(pp_group)
     for ranks in sorted(set(all_lists)):
-        pair = (dist.new_group(list(ranks), backend=backend, **kwargs),
-                dist.new_group(list(ranks), backend=backend, **kwargs))
+        pair = {name: dist.new_group(list(ranks), backend=backend, **kwargs) for name in CHANNELS}
         if ranks == mine:
             _CHANNEL_CACHE[mine] = pair
+    dev = device
+    if dev is None:  # the process group's backend decides: NCCL works on the current CUDA device
+        dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    for group in _CHANNEL_CACHE[mine].values():
+        dist.all_reduce(torch.zeros(1, device=dev), group=group)
     return _CHANNEL_CACHE[mine]
 
 
@@ -53,6 +89,7 @@ def reset_runtime_groups() -> None:
     from .forward_backward import _state
 
     _state["p2p"].clear()
+    _state["agreed"].clear()
 
 
 @dataclass
@@ -63,28 +100,49 @@ class PendingTransfer:
 
 
 class PipelineP2P:
-    """isend/irecv of activations and gradients to neighbour pipeline ranks."""
+    """isend/irecv of activations and gradients to neighbour pipeline ranks, alone or as one batch."""
 
     def __init__(self, pp_group: dist.ProcessGroup | None, device: torch.device, timeout_s: float | None = None):
         self.ranks = pipeline_ranks(pp_group)
         self.size = len(self.ranks)
         self.device = device
-        self.groups = channel_groups(pp_group, timeout_s) if self.size > 1 else (None, None)
+        self.groups = channel_groups(pp_group, timeout_s, device) if self.size > 1 else {}
+        self.backend = dist.get_backend(pp_group) if self.size > 1 else None
         self.sent_bytes = 0
+
+    @property
+    def host_blocking_waits(self) -> bool:
+        """gloo's wait blocks the host (and takes a timeout); NCCL's only orders the streams: there the process
+        group's timeout and watchdog bound a wait."""
+        return self.backend != "nccl"
 
     def peer(self, pipeline_rank: int) -> int:
         return self.ranks[pipeline_rank % self.size]
 
-    def isend(self, tensor: torch.Tensor, to_pipeline_rank: int, gradient: bool) -> PendingTransfer:
+    def _group(self, channel: str) -> dist.ProcessGroup:
+        if channel not in self.groups:
+            raise ValueError(f"schedule names communicator {channel!r}; this runtime has {', '.join(CHANNELS)}")
+        return self.groups[channel]
+
+    def send_op(self, tensor: torch.Tensor, to_pipeline_rank: int, channel: str) -> tuple[dist.P2POp, PendingTransfer]:
         peer = self.peer(to_pipeline_rank)
         tensor = tensor.contiguous()
-        group = self.groups[1 if gradient else 0]
         self.sent_bytes += tensor.numel() * tensor.element_size()
-        return PendingTransfer(dist.isend(tensor, dst=peer, group=group), tensor, peer)
+        return dist.P2POp(dist.isend, tensor, peer, self._group(channel)), PendingTransfer(None, tensor, peer)
 
-    def irecv(self, shape: tuple[int, ...], dtype: torch.dtype, from_pipeline_rank: int,
-              gradient: bool) -> PendingTransfer:
+    def recv_op(self, shape: tuple[int, ...], dtype: torch.dtype, from_pipeline_rank: int,
+                channel: str) -> tuple[dist.P2POp, PendingTransfer]:
         peer = self.peer(from_pipeline_rank)
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        group = self.groups[1 if gradient else 0]
-        return PendingTransfer(dist.irecv(buf, src=peer, group=group), buf, peer)
+        return dist.P2POp(dist.irecv, buf, peer, self._group(channel)), PendingTransfer(None, buf, peer)
+
+    def post(self, ops: list[tuple[dist.P2POp, PendingTransfer]]) -> None:
+        """Post the ops in order: one alone, several as one `batch_isend_irecv` group (one NCCL group call)."""
+        if len(ops) == 1:
+            op, pending = ops[0]
+            pending.work = op.op(op.tensor, op.peer, group=op.group)
+            return
+        works = dist.batch_isend_irecv([op for op, _ in ops])
+        for k, (_, pending) in enumerate(ops):
+            # NCCL returns one work for the whole coalesced group, gloo one per op.
+            pending.work = works[k] if len(works) == len(ops) else works[-1]

@@ -45,20 +45,23 @@ def from_json(text: str) -> Schedule:
 
 
 CSV_FIELDS = ("rank", "step", "op", "stage", "microbatch")
+CSV_OPTIONAL_FIELDS = ("batch", "channel")  # p2p posting groups and communicators; empty when not set
 
 
 def to_csv(schedule: Schedule) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(CSV_FIELDS)
+    w.writerow(CSV_FIELDS + CSV_OPTIONAL_FIELDS)
     for r, acts in enumerate(schedule.ranks):
         for i, a in enumerate(acts):
-            w.writerow([r, i, a.op.value, a.stage, "" if a.microbatch is None else a.microbatch])
+            w.writerow([r, i, a.op.value, a.stage, "" if a.microbatch is None else a.microbatch,
+                        "" if a.batch is None else a.batch, a.channel or ""])
     return buf.getvalue()
 
 
 def from_csv(text: str, **header: object) -> Schedule:
-    """Rows (rank, step, op, stage, microbatch), ordered by step within a rank; header fills pp/vp/M."""
+    """Rows (rank, step, op, stage, microbatch[, batch, channel]), ordered by step within a rank; header fills
+    pp/vp/M."""
     rows = list(csv.DictReader(io.StringIO(text)))
     if rows and set(CSV_FIELDS) - set(rows[0]):
         raise ScheduleError(f"schedule CSV needs columns {', '.join(CSV_FIELDS)}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class Op(str, enum.Enum):
@@ -37,11 +37,24 @@ class ScheduleError(ValueError):
     """A schedule (or its configuration) is invalid. The message names the flag or the rank/step/action."""
 
 
+# Default communicator of each p2p op: activations and gradients travel on separate process groups.
+DEFAULT_CHANNEL = {"SEND_F": "activations", "RECV_F": "activations", "SEND_B": "gradients", "RECV_B": "gradients"}
+
+
 @dataclass(frozen=True, order=True)
 class Action:
+    """One step of a rank's list. For p2p ops the list order is the order the rank posts them in.
+
+    `batch`: p2p actions posted together as one `batch_isend_irecv` group are consecutive and share a value
+    (None: posted alone). `channel`: the communicator, when not the op's default (`DEFAULT_CHANNEL`). Neither
+    takes part in equality: an action is identified by (op, stage, microbatch).
+    """
+
     op: Op
     stage: int
     microbatch: int | None = None
+    batch: int | None = field(default=None, compare=False)
+    channel: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.op, Op):
@@ -50,35 +63,60 @@ class Action:
             raise ScheduleError(f"{self.op} carries no microbatch (got {self.microbatch})")
         if self.op not in DP_OPS and self.microbatch is None:
             raise ScheduleError(f"{self.op} needs a microbatch")
+        if self.op not in P2P_OPS and (self.batch is not None or self.channel is not None):
+            raise ScheduleError(f"{self.op} is not a p2p action: it takes no batch or channel")
+
+    @property
+    def comm(self) -> str:
+        """The communicator a p2p action is posted on."""
+        return self.channel or DEFAULT_CHANNEL[self.op.value]
 
     @property
     def text(self) -> str:
-        """Compact form: `F4:0` (op, stage, microbatch) or `GATHER4` (data-parallel ops)."""
-        if self.microbatch is None:
-            return f"{self.op.value}{self.stage}"
-        return f"{self.op.value}{self.stage}:{self.microbatch}"
+        """Compact form: `F4:0` (op, stage, microbatch), `GATHER4` (data-parallel ops); p2p actions may add
+        `@batch` and `/channel`, e.g. `SEND_F0:1@3`."""
+        base = f"{self.op.value}{self.stage}" if self.microbatch is None else f"{self.op.value}{self.stage}:{self.microbatch}"
+        if self.batch is not None:
+            base += f"@{self.batch}"
+        if self.channel is not None:
+            base += f"/{self.channel}"
+        return base
+
+    @property
+    def key(self) -> str:
+        """`text` without batch and channel."""
+        return replace(self, batch=None, channel=None).text
 
     def __str__(self) -> str:
         return self.text
 
     def to_dict(self) -> dict:
-        return {"op": self.op.value, "stage": self.stage, "microbatch": self.microbatch}
+        d: dict = {"op": self.op.value, "stage": self.stage, "microbatch": self.microbatch}
+        if self.op in P2P_OPS:
+            d["batch"] = self.batch
+            if self.channel is not None:
+                d["channel"] = self.channel
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> "Action":
-        mb = d.get("microbatch")
-        return Action(Op(d["op"]), int(d["stage"]), None if mb is None or mb == "" else int(mb))
+        mb, batch, channel = d.get("microbatch"), d.get("batch"), d.get("channel")
+        return Action(Op(d["op"]), int(d["stage"]), None if mb is None or mb == "" else int(mb),
+                      None if batch is None or batch == "" else int(batch), channel or None)
 
     @staticmethod
     def parse(text: str) -> "Action":
         m = _ACTION_RE.fullmatch(text.strip())
         if not m:
-            raise ScheduleError(f"cannot parse action {text!r}: expected e.g. 'F4:0', 'SEND_B3:1' or 'GATHER2'")
-        op, stage, mb = m.group(1), int(m.group(2)), m.group(3)
-        return Action(Op(op), stage, None if mb is None else int(mb))
+            raise ScheduleError(f"cannot parse action {text!r}: expected e.g. 'F4:0', 'SEND_B3:1@2' or 'GATHER2'")
+        op, stage, mb, batch, channel = m.group(1), int(m.group(2)), m.group(3), m.group(4), m.group(5)
+        return Action(Op(op), stage, None if mb is None else int(mb), None if batch is None else int(batch),
+                      channel)
 
 
-_ACTION_RE = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|GATHER|RELEASE|REDUCE|F|B)(\d+)(?::(\d+))?")
+_ACTION_RE = re.compile(
+    r"(SEND_F|RECV_F|SEND_B|RECV_B|GATHER|RELEASE|REDUCE|F|B)(\d+)(?::(\d+))?(?:@(\d+))?(?:/([A-Za-z_][\w-]*))?"
+)
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Lowering passes: add pipeline p2p actions, then data-parallel GATHER / RELEASE / REDUCE actions.
 
-p2p: a receive is placed right before the compute that consumes it and a send right after the compute that
-produces it. Sends are non-blocking, so the lowered order is deadlock-free exactly when the event simulation
-in `validate` completes (it also checks that every channel is matched first-in first-out, as NCCL needs).
+p2p: each rank's SEND/RECV actions are listed in the order the rank posts them, with batched groups marked;
+the order is built to be deadlock-free under NCCL's rendezvous semantics (see `add_p2p`), and `validate`
+checks it under those semantics and under gloo's.
 
 Data parallel, over "runs" (maximal stretches of consecutive compute actions on one stage):
 - ZeRO-3 keeps at most `weight_buffers` stages gathered. The stage of the next run is gathered before the
@@ -18,35 +18,135 @@ from __future__ import annotations
 
 import dataclasses
 
-from .ir import COMPUTE_OPS, Action, Op, Schedule, ScheduleError
+from .ir import COMPUTE_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError
+
+
+# Nominal compute durations used to decide where transfers go (the order, not the timing, is what matters).
+NOMINAL_FORWARD, NOMINAL_BACKWARD = 1.0, 2.0
+
+
+def _message(schedule: Schedule, a: Action) -> tuple[str, int, int, int] | None:
+    """(kind, producing stage, microbatch, consumer rank) of the message a compute action sends, if any."""
+    if a.op == Op.F and a.stage < schedule.num_stages - 1:
+        return ("F", a.stage, a.microbatch, schedule.rank_of(a.stage + 1))  # type: ignore[return-value]
+    if a.op == Op.B and a.stage > 0:
+        return ("B", a.stage, a.microbatch, schedule.rank_of(a.stage - 1))  # type: ignore[return-value]
+    return None
+
+
+def _needs(schedule: Schedule, a: Action) -> tuple[str, int, int] | None:
+    """(kind, producing stage, microbatch) of the message a compute action consumes, if any."""
+    if a.op == Op.F and a.stage > 0:
+        return ("F", a.stage - 1, a.microbatch)  # type: ignore[return-value]
+    if a.op == Op.B and a.stage < schedule.num_stages - 1 and not schedule.forward_only:
+        return ("B", a.stage + 1, a.microbatch)  # type: ignore[return-value]
+    return None
 
 
 def add_p2p(schedule: Schedule) -> Schedule:
-    """Insert SEND_F/RECV_F/SEND_B/RECV_B around compute actions whose neighbour stage is on another rank."""
+    """Insert SEND_F/RECV_F/SEND_B/RECV_B in the order each rank posts them, safe under NCCL's semantics.
+
+    NCCL (worst case) runs a rank's p2p ops on one communicator in posting order, completes a send only once
+    its receive is posted, and with CUDA_DEVICE_MAX_CONNECTIONS=1 serialises everything a rank posts. A
+    posting order is safe under all of these when it is the projection of one global sequence of events in
+    which every transfer is a single event that both ends take part in. This pass builds such a sequence by
+    running the compute order on nominal durations: a produced message waits in its producer's outbox until
+    producer and consumer are both between computes, and is then transferred (SEND on one, RECV on the
+    other, at the same point of the sequence). The consumer keeps received inputs until its compute needs
+    them. Consecutive transfers of one rank at the same instant on the same communicator are posted as one
+    batch. `validate` re-checks the result against the NCCL models.
+    """
     if schedule.lowered:
         return schedule
-    last = schedule.num_stages - 1
-    cross = schedule.pp > 1  # with P > 1, stages s and s + 1 always live on different ranks
-    ranks = []
-    for actions in schedule.ranks:
-        out: list[Action] = []
-        for a in actions:
+    if schedule.pp == 1:  # every stage on one rank: no p2p
+        return dataclasses.replace(schedule, lowered=True)
+    for r, actions in enumerate(schedule.ranks):
+        for i, a in enumerate(actions):
             if a.op not in COMPUTE_OPS:
-                raise ScheduleError(f"add_p2p expects only F/B actions, found {a.text}")
-            if a.op == Op.F:
-                if cross and a.stage > 0:
-                    out.append(Action(Op.RECV_F, a.stage, a.microbatch))
-                out.append(a)
-                if cross and a.stage < last:
-                    out.append(Action(Op.SEND_F, a.stage, a.microbatch))
-            else:
-                if cross and a.stage < last:
-                    out.append(Action(Op.RECV_B, a.stage, a.microbatch))
-                out.append(a)
-                if cross and a.stage > 0:
-                    out.append(Action(Op.SEND_B, a.stage, a.microbatch))
-        ranks.append(out)
-    return dataclasses.replace(schedule, ranks=ranks, lowered=True)
+                raise ScheduleError(f"add_p2p expects only F/B actions, found rank {r} step {i}: {a.text}")
+    pp = schedule.pp
+    computes = schedule.ranks
+    pc = [0] * pp
+    free_at = [0.0] * pp  # end of the rank's current compute
+    outbox: list[dict[tuple[str, int], list[tuple[str, int, int]]]] = [{} for _ in range(pp)]
+    inbox: list[set[tuple[str, int, int]]] = [set() for _ in range(pp)]
+    produced_at: list[list[tuple[float, tuple[str, int, int, int]]]] = [[] for _ in range(pp)]
+    out: list[list[tuple[Action, tuple[float, int]]]] = [[] for _ in range(pp)]  # (action, instant)
+    t, round_ = 0.0, 0
+
+    def done() -> bool:
+        return all(pc[r] == len(computes[r]) for r in range(pp)) and not any(
+            q for box in outbox for q in box.values()) and not any(produced_at)
+
+    while not done():
+        progressed = True
+        while progressed:
+            progressed = False
+            round_ += 1
+            avail = [free_at[r] <= t for r in range(pp)]
+            for r in range(pp):  # computes that ended by now hand their messages to the outbox
+                while produced_at[r] and produced_at[r][0][0] <= t:
+                    kind, stage, mb, dst = produced_at[r].pop(0)[1]
+                    outbox[r].setdefault((kind, dst), []).append((kind, stage, mb))
+            # Transfers between ranks that are both between computes: activations first, then gradients
+            # (one fixed global order, so both ends agree), each channel first-in first-out.
+            for kind in ("F", "B"):
+                for r in range(pp):
+                    for (k, dst), queue in sorted(outbox[r].items()):
+                        if k != kind or not avail[r] or not avail[dst]:
+                            continue
+                        while queue:
+                            _, stage, mb = queue.pop(0)
+                            send_op, recv_op = (Op.SEND_F, Op.RECV_F) if kind == "F" else (Op.SEND_B, Op.RECV_B)
+                            out[r].append((Action(send_op, stage, mb), (t, round_)))
+                            out[dst].append((Action(recv_op, stage + 1 if kind == "F" else stage - 1, mb),
+                                             (t, round_)))
+                            inbox[dst].add((kind, stage, mb))
+                            progressed = True
+            for r in range(pp):
+                if not avail[r] or pc[r] == len(computes[r]):
+                    continue
+                a = computes[r][pc[r]]
+                need = _needs(schedule, a)
+                if need is not None and need not in inbox[r]:
+                    continue  # idle until the input arrives
+                if need is not None:
+                    inbox[r].discard(need)
+                out[r].append((a, (t, round_)))
+                pc[r] += 1
+                free_at[r] = t + (NOMINAL_FORWARD if a.op == Op.F else NOMINAL_BACKWARD)
+                msg = _message(schedule, a)
+                if msg is not None and not (schedule.forward_only and a.op == Op.B):
+                    produced_at[r].append((free_at[r], msg))
+                progressed = True
+        upcoming = [free_at[r] for r in range(pp) if free_at[r] > t]
+        upcoming += [p[0][0] for p in produced_at if p and p[0][0] > t]
+        if not upcoming:
+            if done():
+                break
+            stuck = [f"rank {r} waits at {computes[r][pc[r]].text}" for r in range(pp) if pc[r] < len(computes[r])]
+            raise ScheduleError("compute order cannot complete: " + "; ".join(stuck))
+        t = min(upcoming)
+    return dataclasses.replace(schedule, ranks=[_batch(acts) for acts in out], lowered=True)
+
+
+def _batch(timed: list[tuple[Action, tuple[float, int]]]) -> list[Action]:
+    """Number runs of consecutive p2p actions posted at one instant on one communicator as one batch."""
+    result: list[Action] = []
+    i, next_id = 0, 0
+    while i < len(timed):
+        a, when = timed[i]
+        j = i + 1
+        if a.op in P2P_OPS:
+            while j < len(timed) and timed[j][0].op in P2P_OPS and timed[j][1] == when and timed[j][0].comm == a.comm:
+                j += 1
+        if j - i > 1:
+            result += [dataclasses.replace(b, batch=next_id) for b, _ in timed[i:j]]
+            next_id += 1
+        else:
+            result.append(a)
+        i = j
+    return result
 
 
 def accumulation_group(schedule: Schedule, microbatch: int) -> int:
@@ -73,7 +173,8 @@ def _runs(actions: list[Action]) -> list[list[Action]]:
             pending = []
             continue
         if a.op in (Op.SEND_F, Op.SEND_B):
-            runs[-1].append(a)
+            runs[-1] += pending + [a]  # receives posted before this send stay before it
+            pending = []
             continue
         raise ScheduleError(f"data-parallel lowering expects no {a.op} actions yet (found {a.text})")
     if pending:
@@ -192,7 +293,26 @@ def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int
             if cut < len(run) and run[cut].op == Op.SEND_B:
                 cut += 1
         out += pre[i] + run[:cut] + reduces + run[cut:] + others
-    return out + tail
+    return _keep_batches_together(out + tail)
+
+
+def _keep_batches_together(actions: list[Action]) -> list[Action]:
+    """Move data-parallel actions that landed inside a p2p batch to right after it (a batch is posted at once)."""
+    last_of = {a.batch: i for i, a in enumerate(actions) if a.batch is not None}
+    out: list[Action] = []
+    held: list[Action] = []
+    open_batch = None
+    for i, a in enumerate(actions):
+        if open_batch is not None and a.batch != open_batch:
+            held.append(a)
+            continue
+        out.append(a)
+        if a.batch is not None:
+            open_batch = a.batch if i < last_of[a.batch] else None
+            if open_batch is None:
+                out += held
+                held = []
+    return out + held
 
 
 def lower(

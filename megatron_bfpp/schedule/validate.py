@@ -2,15 +2,21 @@
 
 `validate` checks that every (stage, microbatch) has exactly one F and one B on the rank that owns the stage,
 that every local order respects the data dependencies, that sends match receives, and that the schedule
-completes under an event simulation (non-blocking sends, blocking receives matched first-in first-out per
-channel, bounded weight buffers). Errors name the rank, the step (index in the rank's list) and the action.
+completes under event simulations of the backends:
+- gloo: sends are buffered, a receive blocks; bounded weight buffers;
+- NCCL (`simulate_nccl`): a rank's p2p actions are posted in list order; per communicator they execute in
+  posting order; a send completes only when its receive is active at the same time (rendezvous, the worst
+  case for large messages); a batch is posted as one group; a p2p op starts after the computes posted before
+  it (torch's NCCL stream waits on the compute stream); a compute waits for the receives it consumes. With
+  `single_queue` (CUDA_DEVICE_MAX_CONNECTIONS=1) everything a rank posts runs in one queue, in order.
+Errors name the rank, the step (index in the rank's list), the action and, for deadlocks, the cycle.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
 
-from .ir import COMPUTE_OPS, DP_OPS, Action, Op, Schedule, ScheduleError
+from .ir import COMPUTE_OPS, DP_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError
 
 
 def check_compute(schedule: Schedule) -> None:
@@ -85,8 +91,8 @@ def _channel(schedule: Schedule, a: Action) -> tuple[int, int] | None:
 def check_p2p(schedule: Schedule) -> None:
     """Every send has its receive and vice versa, each channel matched in the same order on both ends.
 
-    A channel is (source rank, destination rank, direction): activations and gradients travel on separate
-    channels (separate process groups in the runtime), so their relative order never has to agree. A single
+    A channel is (source rank, destination rank, communicator): activations and gradients travel on separate
+    communicators (separate process groups in the runtime), so their relative order never has to agree. A single
     shared channel is what makes Megatron's interleaved PP = 2 order ambiguous.
     """
     if schedule.pp == 1:
@@ -103,7 +109,7 @@ def check_p2p(schedule: Schedule) -> None:
             pair = _channel(schedule, a)
             if pair is None:
                 continue
-            ch = (*pair, "F" if a.op in (Op.SEND_F, Op.RECV_F) else "B")
+            ch = (*pair, a.comm)
             if (a.op == Op.SEND_F and a.stage == last) or (a.op == Op.RECV_F and a.stage == 0) or (
                 a.op == Op.SEND_B and a.stage == 0) or (a.op == Op.RECV_B and a.stage == last):
                 raise ScheduleError(f"rank {r} step {i}: {a.text} has no neighbour stage")
@@ -123,7 +129,7 @@ def check_p2p(schedule: Schedule) -> None:
             got = r_list[k] if k < len(r_list) else None
             if sent != got:
                 raise ScheduleError(
-                    f"channel rank {ch[0]} -> rank {ch[1]} ({'activations' if ch[2] == 'F' else 'gradients'}), message {k}: rank {ch[0]} sends {_payload(sent)} "
+                    f"channel rank {ch[0]} -> rank {ch[1]} (communicator {ch[2]!r}), message {k}: rank {ch[0]} sends {_payload(sent)} "
                     f"but rank {ch[1]} expects {_payload(got)}"
                 )
 
@@ -190,6 +196,175 @@ def simulate_order(schedule: Schedule) -> list[tuple[int, int]]:
     return order
 
 
+def check_batches(schedule: Schedule) -> None:
+    """Actions of one batch are consecutive p2p actions on one communicator."""
+    for r, acts in enumerate(schedule.ranks):
+        seen: dict[int, int] = {}
+        for i, a in enumerate(acts):
+            if a.batch is None:
+                continue
+            if a.op not in P2P_OPS:
+                raise ScheduleError(f"rank {r} step {i}: {a.text} carries a batch but is not a p2p action")
+            if a.batch in seen:
+                prev = acts[i - 1]
+                if prev.batch != a.batch:
+                    raise ScheduleError(
+                        f"rank {r} step {i}: {a.text} belongs to batch {a.batch}, whose actions are not consecutive "
+                        f"(first at step {seen[a.batch]}): a batch is posted as one batch_isend_irecv group")
+                if prev.comm != a.comm:
+                    raise ScheduleError(f"rank {r} step {i}: batch {a.batch} mixes communicators {prev.comm!r} and "
+                                        f"{a.comm!r} (batch_isend_irecv takes one process group)")
+            else:
+                seen[a.batch] = i
+
+
+def _p2p_partners(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
+    """(rank, step) of each p2p action -> (rank, step) of its match: k-th send to k-th receive per
+    (communicator, source, destination)."""
+    sends: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
+    recvs: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
+    for r, acts in enumerate(schedule.ranks):
+        for i, a in enumerate(acts):
+            pair = _channel(schedule, a)
+            if pair is None:
+                continue
+            key = (a.comm, *pair)
+            (sends if a.op in (Op.SEND_F, Op.SEND_B) else recvs).setdefault(key, []).append((r, i))
+    partners: dict[tuple[int, int], tuple[int, int]] = {}
+    for key in set(sends) | set(recvs):
+        s_list, r_list = sends.get(key, []), recvs.get(key, [])
+        if len(s_list) != len(r_list):
+            raise ScheduleError(f"communicator {key[0]!r} rank {key[1]} -> rank {key[2]}: {len(s_list)} sends but "
+                                f"{len(r_list)} receives")
+        for x, y in zip(s_list, r_list):
+            partners[x] = y
+            partners[y] = x
+    return partners
+
+
+def simulate_nccl(schedule: Schedule, single_queue: bool = False) -> None:
+    """Run the lowered schedule under NCCL's semantics (see the module docstring); raise on a deadlock,
+    naming each rank, step, communicator and the cycle of waits."""
+    if schedule.pp == 1 or not schedule.lowered:
+        return
+    partners = _p2p_partners(schedule)
+    model = "one queue per rank (CUDA_DEVICE_MAX_CONNECTIONS=1)" if single_queue else "one queue per communicator"
+    # Per rank: queues of units (lists of steps); a batch is one unit.
+    queues: dict[tuple[int, str], list[list[int]]] = {}
+    queue_of: dict[tuple[int, int], tuple[int, str]] = {}
+    computes_before: dict[tuple[int, int], int] = {}  # p2p step -> number of computes posted before it
+    needs: dict[tuple[int, int], list[int]] = {}  # compute step -> p2p steps it waits on
+    for r, acts in enumerate(schedule.ranks):
+        pos = {a: i for i, a in enumerate(acts)}
+        n_compute = 0
+        for i, a in enumerate(acts):
+            if a.op in COMPUTE_OPS:
+                qn = "all" if single_queue else "compute"
+                deps = []
+                if a.op == Op.F and a.stage > 0:
+                    deps.append(pos.get(Action(Op.RECV_F, a.stage, a.microbatch)))
+                if a.op == Op.B:
+                    deps.append(pos.get(Action(Op.RECV_B, a.stage, a.microbatch)))
+                    deps.append(pos.get(Action(Op.SEND_F, a.stage, a.microbatch)))  # output sent before its backward
+                needs[(r, i)] = [d for d in deps if d is not None]
+                n_compute += 1
+            elif a.op in P2P_OPS:
+                qn = "all" if single_queue else a.comm
+                computes_before[(r, i)] = n_compute
+            elif single_queue:
+                qn = "all"  # data-parallel collectives: same position on every data-parallel peer
+            else:
+                continue
+            q = queues.setdefault((r, qn), [])
+            if a.batch is not None and q and acts[q[-1][-1]].batch == a.batch and q[-1][-1] == i - 1:
+                q[-1].append(i)
+            else:
+                q.append([i])
+            queue_of[(r, i)] = (r, qn)
+    head = {k: 0 for k in queues}
+    done: set[tuple[int, int]] = set()
+    computes_done = [0] * schedule.pp
+
+    def unit_at_head(r: int, i: int) -> bool:
+        k = queue_of[(r, i)]
+        return head[k] < len(queues[k]) and i in queues[k][head[k]]
+
+    def ready(r: int, i: int) -> bool:
+        if single_queue:
+            return True
+        return computes_done[r] >= computes_before[(r, i)]
+
+    def active(r: int, i: int) -> bool:
+        return unit_at_head(r, i) and ready(r, i)
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for k, units in queues.items():
+            r = k[0]
+            while head[k] < len(units):
+                unit = units[head[k]]
+                a = schedule.ranks[r][unit[0]]
+                if a.op in COMPUTE_OPS:
+                    if not all((r, d) in done for d in needs[(r, unit[0])]):
+                        break
+                    computes_done[r] += 1
+                elif a.op in P2P_OPS:
+                    if not ready(r, unit[0]):
+                        break
+                    for i in unit:
+                        if (r, i) not in done:
+                            q, j = partners[(r, i)]
+                            if active(q, j):
+                                done.update({(r, i), (q, j)})
+                    if not all((r, i) in done for i in unit):
+                        break
+                done.update((r, i) for i in unit)
+                head[k] += 1
+                progressed = True
+    stuck = [k for k in queues if head[k] < len(queues[k])]
+    if stuck:
+        raise ScheduleError(f"deadlock under NCCL semantics ({model}): " + _nccl_cycle(
+            schedule, stuck[0], queues, head, queue_of, partners, needs, done, computes_before, computes_done,
+            single_queue))
+
+
+def _nccl_cycle(schedule, start, queues, head, queue_of, partners, needs, done, computes_before, computes_done,
+                single_queue) -> str:
+    """Follow what each blocked queue waits for until a queue repeats; describe that cycle."""
+    def describe(k: tuple[int, str]) -> tuple[tuple[int, str], str]:
+        r = k[0]
+        unit = queues[k][head[k]]
+        i = unit[0]
+        a = schedule.ranks[r][i]
+        where = f"rank {r} step {i} {a.text}"
+        if a.op in COMPUTE_OPS:
+            d = next(d for d in needs[(r, i)] if (r, d) not in done)
+            b = schedule.ranks[r][d]
+            why = "posted after it" if d > i else "not complete"
+            return queue_of[(r, d)], f"{where} waits for {b.text} (step {d}, {why})"
+        if not single_queue and computes_done[r] < computes_before[(r, i)]:
+            return (r, "compute"), f"{where} on {a.comm!r} waits for the computes posted before it"
+        j_own = next(j for j in unit if (r, j) not in done)
+        q, j = partners[(r, j_own)]
+        b = schedule.ranks[r][j_own]
+        return queue_of[(q, j)], (f"{where} on communicator {b.comm!r}: {b.text} waits for rank {q} to post "
+                                  f"{schedule.ranks[q][j].text} (its step {j})")
+
+    seen: list[tuple[int, str]] = []
+    notes: list[str] = []
+    k = start
+    while k not in seen:
+        seen.append(k)
+        if head[k] >= len(queues[k]):
+            notes.append(f"rank {k[0]} queue {k[1]!r} finished")
+            break
+        k, note = describe(k)
+        notes.append(note)
+    first = seen.index(k) if k in seen else 0
+    return "cycle: " + "; ".join(notes[first:])
+
+
 def check_reduce(schedule: Schedule) -> None:
     """With data-parallel actions: every stage reduce-scattered after its last backward, nothing after."""
     if schedule.zero_stage is None or schedule.forward_only:
@@ -217,16 +392,38 @@ def peak_activations(schedule: Schedule) -> list[int]:
     return peaks
 
 
+def _compute_only_lowering(schedule: Schedule) -> Schedule:
+    """Receives right before their compute, sends right after it: a buffered-send order that completes exactly
+    when the compute order respects the data dependencies."""
+    last = schedule.num_stages - 1
+    ranks = []
+    for acts in schedule.ranks:
+        out: list[Action] = []
+        for a in acts:
+            if a.op == Op.F:
+                out += ([Action(Op.RECV_F, a.stage, a.microbatch)] if a.stage > 0 else []) + [a]
+                out += [Action(Op.SEND_F, a.stage, a.microbatch)] if a.stage < last else []
+            elif a.op == Op.B:
+                out += ([Action(Op.RECV_B, a.stage, a.microbatch)] if a.stage < last else []) + [a]
+                out += [Action(Op.SEND_B, a.stage, a.microbatch)] if a.stage > 0 else []
+            else:
+                out.append(a)
+        ranks.append(out)
+    return Schedule(schedule.name, schedule.pp, schedule.vp, schedule.microbatches, schedule.group_size, ranks,
+                    lowered=True, forward_only=schedule.forward_only)
+
+
 def validate(schedule: Schedule) -> Schedule:
     """Raise ScheduleError on the first problem; return the schedule unchanged when it is sound."""
     check_compute(schedule)
     check_p2p(schedule)
+    check_batches(schedule)
     if not schedule.lowered and schedule.pp > 1:
-        # Dependencies of an unlowered schedule: lower a copy and simulate that.
-        from .lower import add_p2p
-
-        simulate_order(add_p2p(schedule))
+        # Dependencies of an unlowered schedule: its compute order must complete with data dependencies alone.
+        simulate_order(_compute_only_lowering(schedule))
     else:
         simulate_order(schedule)
+        simulate_nccl(schedule, single_queue=False)
+        simulate_nccl(schedule, single_queue=True)
     check_reduce(schedule)
     return schedule
