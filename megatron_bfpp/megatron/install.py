@@ -123,15 +123,26 @@ def _sharded_replacements(zero_stage: int) -> dict[str, Any]:
     }
 
 
-def with_gathered_params(checkpoint_fn: Callable, writeback: bool) -> Callable:
-    """Megatron-LM's save_checkpoint(iteration, model, ...) / load_checkpoint(model, ...) run with every ZeRO-3
-    parameter gathered (empty at rest otherwise); loading writes the loaded values back into the shards."""
+# ZeRO-3 keeps parameters sharded at rest; these functions of Megatron-LM's loop read every parameter's data
+# outside the schedule (train(): --log-params-norm, --check-weight-hash-across-dp-replicas-interval), so they
+# run with the weights gathered. Optional: a version without one has nothing to wrap.
+PARAM_READER_POINTS = (
+    compat.RebindPoint(compat.TRAINING, "calc_params_l2_norm", required=False),
+    compat.RebindPoint(compat.TRAINING, "check_param_hashes_across_dp_replicas", required=False),
+)
+
+
+def with_gathered_params(checkpoint_fn: Callable, writeback: bool, position: int | None = None) -> Callable:
+    """Megatron-LM's save_checkpoint(iteration, model, ...) / load_checkpoint(model, ...) (or any function taking
+    the model at argument `position`) run with every ZeRO-3 parameter gathered (empty at rest otherwise);
+    loading writes the loaded values back into the shards."""
+    if position is None:
+        position = 0 if writeback else 1  # load_checkpoint(ddp_model, ...) / save_checkpoint(iteration, model, ...)
 
     @functools.wraps(checkpoint_fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         from megatron_bfpp.sharded.ddp import gathered_params
 
-        position = 0 if writeback else 1  # load_checkpoint(ddp_model, ...) / save_checkpoint(iteration, model, ...)
         model = kwargs.get("ddp_model", kwargs.get("model"))
         if model is None and len(args) > position:
             model = args[position]
@@ -166,6 +177,10 @@ def install(args: argparse.Namespace) -> PluginConfig:
             original = getattr(mod, point.attr)
             original = getattr(original, "__wrapped__", original)
             plan.append((mod, point.attr, with_gathered_params(original, writeback=point.attr == "load_checkpoint")))
+        for mod, point in compat.resolve(PARAM_READER_POINTS):
+            original = getattr(mod, point.attr)
+            original = getattr(original, "__wrapped__", original)
+            plan.append((mod, point.attr, with_gathered_params(original, writeback=False, position=0)))
     version = compat.megatron_core_version()
     if plan and not compat.is_supported(version):
         warnings.warn(f"megatron_bfpp: megatron-core {version} is not a tested version "

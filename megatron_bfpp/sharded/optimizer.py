@@ -283,7 +283,7 @@ class ShardedOptimizer(MegatronOptimizer):
         if found_inf:
             return False, None, None
         grad_norm = self.clip_grad_norm(getattr(self.config, "clip_grad", 0.0))
-        num_zeros = self.count_zeros() if getattr(self.config, "log_num_zeros_in_grad", False) else 0
+        num_zeros = self.count_zeros() if getattr(self.config, "log_num_zeros_in_grad", False) else None
         ok = self.step_with_ready_grads()
         return ok, grad_norm, num_zeros
 

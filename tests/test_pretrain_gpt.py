@@ -1,0 +1,269 @@
+"""Megatron-LM's own `pretrain_gpt.py` trains with the plugin, end to end, on CPU (gloo) under the test shim.
+
+Every plugin run is compared with stock Megatron (`--pipeline-schedule default`, the unmodified script) on the
+same model, seed and global batch: lm loss, grad norm, params norm, skipped iterations and validation loss,
+fp32, rtol 1e-5. Runs use MEGATRON_LM_DIR (the tests skip when it is unset) and two checkouts of it: a copy
+patched with our series (`pretrain_gpt.py` gains the flags) and the original, run unmodified through
+`python -m megatron_bfpp.launch`. Stock runs use the original script as it is.
+
+Each run is `torchrun --nproc-per-node N tests/pretrain_runner.py [--launch] pretrain_gpt.py ...` with
+`PYTHONPATH=tests/cpu_shim BFPP_CPU_SHIM=1`; the runner records `training_log`'s arguments at full precision
+(Megatron prints the grad norm with three decimals) and the log lines are parsed too. Runs are cached per
+session so several cases share one stock reference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIM = ROOT / "tests" / "cpu_shim"
+RUNNER = ROOT / "tests" / "pretrain_runner.py"
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
+RTOL = 1e-5
+
+pytestmark = pytest.mark.skipif(
+    not MEGATRON_LM_DIR or not Path(MEGATRON_LM_DIR, "pretrain_gpt.py").is_file(),
+    reason="MEGATRON_LM_DIR is not set to a Megatron-LM checkout (core_v0.19.0 / core_v0.16.1): "
+           ".ci/run and scripts/test.sh set it to ../shared/megatron-lm/core_v0.19.0 when present",
+)
+
+# A tiny GPT: 4 layers, P = 2 with V = 2 (one layer per virtual stage), mock data, no dropout, fp32, and the
+# local (non-TransformerEngine) layers with every fusion off so CPU runs the same math as stock.
+TINY = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--vocab-size 128 --tokenizer-type NullTokenizer --mock-data --seed 1234 "
+    "--micro-batch-size 1 --global-batch-size 8 --train-iters 4 --lr 1e-3 --lr-decay-style constant "
+    "--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --log-params-norm "
+    "--eval-iters 1 --eval-interval 2 --distributed-backend gloo --num-workers 0 "
+    "--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
+    "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm"
+).split()
+P2V2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
+VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
+
+
+def _field(line: str, name: str) -> str | None:
+    m = re.search(re.escape(name) + r":\s*([^|]+)\|", line)
+    return m.group(1).strip() if m else None
+
+
+@dataclass
+class Run:
+    """One pretrain_gpt.py run: the output, its parsed log lines and the full-precision records."""
+
+    name: str
+    output: str
+    seconds: float
+    records: list[dict] = field(default_factory=list)
+    log: dict[int, dict] = field(default_factory=dict)  # iteration -> parsed Megatron log line
+    validation: dict[int, float] = field(default_factory=dict)
+
+    def iterations(self) -> list[int]:
+        return sorted(self.log)
+
+    def by_iteration(self) -> dict[int, dict]:
+        return {r["iteration"]: r for r in self.records}
+
+
+def _parse(run: Run) -> None:
+    for line in run.output.splitlines():
+        m = ITERATION.search(line)
+        if m and "lm loss" in line or (m and "number of skipped iterations" in line):
+            loss = _field(line, "lm loss")
+            run.log[int(m.group(1))] = {
+                "lm loss": float(loss) if loss else None,
+                "grad norm": float(_field(line, "grad norm")) if _field(line, "grad norm") else None,
+                "params norm": float(_field(line, "params norm")) if _field(line, "params norm") else None,
+                "num zeros": _field(line, "num zeros"),
+                "skipped": int(_field(line, "number of skipped iterations") or 0),
+                "loss scale": float(_field(line, "loss scale") or "nan"),
+            }
+        m = VALIDATION.search(line)
+        if m:
+            run.validation[int(m.group(1))] = float(m.group(2))
+
+
+class Runner:
+    """Starts (and caches) pretrain_gpt.py runs on a checkout: stock, patched, or through the launcher."""
+
+    def __init__(self, original: Path, patched: Path, workdir: Path) -> None:
+        self.original, self.patched, self.workdir = original, patched, workdir
+        self.cache: dict[tuple, Run] = {}
+        self.count = 0
+
+    def run(self, mode: str, args: list[str], nproc: int = 2, expect_ok: bool = True, timeout: int = 240) -> Run:
+        """mode: 'stock' (original script, unmodified), 'patched' (our patch series) or 'launch' (original
+        script through python -m megatron_bfpp.launch)."""
+        key = (mode, tuple(args), nproc, expect_ok)
+        if key in self.cache:
+            return self.cache[key]
+        self.count += 1
+        name = f"run{self.count:02d}-{mode}"
+        record = self.workdir / f"{name}.jsonl"
+        script = (self.patched if mode == "patched" else self.original) / "pretrain_gpt.py"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+               str(29500 + (os.getpid() + self.count) % 2000), str(RUNNER)]
+        cmd += (["--launch"] if mode == "launch" else []) + [str(script), *args]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("BFPP_", "MASTER_", "TORCHELASTIC"))}
+        env.update(PYTHONPATH=str(SHIM), BFPP_CPU_SHIM="1", BFPP_PRETRAIN_RECORD=str(record),
+                   CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                   PYTHONDONTWRITEBYTECODE="1")
+        start = time.monotonic()
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=self.workdir, timeout=timeout)
+        run = Run(name, r.stdout + r.stderr, time.monotonic() - start)
+        (self.workdir / f"{name}.log").write_text(" ".join(cmd) + "\n\n" + run.output)
+        if expect_ok:
+            assert r.returncode == 0, f"{name} failed (exit {r.returncode}): {' '.join(args)}\n{_tail(run.output)}"
+        if record.exists():
+            run.records = [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
+        _parse(run)
+        self.cache[key] = run
+        return run
+
+
+def _tail(text: str, n: int = 60) -> str:
+    lines = [ln for ln in text.splitlines() if "Warning" not in ln and "warnings.warn" not in ln]
+    return "\n".join(lines[-n:])
+
+
+def _apply_patches(checkout: Path) -> None:
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "apply_megatron_patches.sh"), str(checkout)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _missing_module(checkout: Path) -> str | None:
+    """The first Python package the checkout imports that this environment lacks, or None."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import runpy\n"
+            "import megatron.training.training, megatron.training.arguments")
+    env = dict(os.environ, PYTHONPATH=str(SHIM), BFPP_CPU_SHIM="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-c", code, str(checkout)], capture_output=True, text=True, env=env,
+                       timeout=180)
+    m = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", r.stderr)
+    if m:
+        return m.group(1)
+    if r.returncode != 0:
+        return f"(import failed: {_tail(r.stderr, 5)})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def mlm(tmp_path_factory: pytest.TempPathFactory) -> Runner:
+    original = Path(MEGATRON_LM_DIR).resolve()  # type: ignore[arg-type]
+    missing = _missing_module(original)
+    if missing:
+        pytest.skip(f"Megatron-LM at {original} cannot be imported here: it needs {missing!r}")
+    work = tmp_path_factory.mktemp("pretrain_gpt")
+    patched = work / "Megatron-LM"
+    shutil.copytree(original, patched, ignore=shutil.ignore_patterns("*.pyc", "__pycache__"))
+    _apply_patches(patched)
+    runner = Runner(original, patched, work)
+    yield runner
+    print(f"\n[pretrain_gpt] {runner.count} runs, logs in {work}")
+
+
+# ------------------------------------------------------------------------------------------------ comparisons
+
+def _close(a: float | None, b: float | None, rtol: float = RTOL) -> bool:
+    if a is None or b is None:
+        return a is b
+    return math.isclose(a, b, rel_tol=rtol, abs_tol=0.0)
+
+
+def assert_same_training(run: Run, ref: Run, iterations: list[int] | None = None, rtol: float = RTOL,
+                         params_norm: bool = True) -> None:
+    """Same losses, grad norms, params norms and skipped iterations, per iteration, as the reference."""
+    got, want = run.by_iteration(), ref.by_iteration()
+    its = iterations or sorted(want)
+    assert its and set(its) <= set(got), f"{run.name}: iterations {sorted(got)}, expected {its}"
+    assert set(its) <= set(run.log), f"{run.name}: Megatron logged iterations {run.iterations()}, expected {its}"
+    for it in its:
+        g, w = got[it], want[it]
+        what = f"{run.name} vs {ref.name}, iteration {it}"
+        assert g["skipped"] == w["skipped"], f"{what}: skipped {g['skipped']} != {w['skipped']}"
+        assert set(g["losses"]) == set(w["losses"]), what
+        for key in w["losses"]:
+            assert _close(g["losses"][key], w["losses"][key], rtol), f"{what}: {key} {g['losses'][key]} != {w['losses'][key]}"
+        assert _close(g["grad_norm"], w["grad_norm"], rtol), f"{what}: grad norm {g['grad_norm']} != {w['grad_norm']}"
+        if params_norm:
+            assert _close(g["params_norm"], w["params_norm"], rtol), f"{what}: params norm {g['params_norm']} != {w['params_norm']}"
+        # Megatron's own line says the same (to its printed precision).
+        assert run.log[it]["skipped"] == ref.log[it]["skipped"]
+        if ref.log[it]["lm loss"] is not None:
+            assert _close(run.log[it]["lm loss"], ref.log[it]["lm loss"], 1e-5), f"{what}: logged lm loss"
+
+
+def assert_same_validation(run: Run, ref: Run, rtol: float = RTOL) -> None:
+    assert ref.validation, f"{ref.name}: no validation loss lines"
+    assert sorted(run.validation) == sorted(ref.validation), f"{run.name}: validation at {sorted(run.validation)}"
+    for it, loss in ref.validation.items():
+        assert _close(run.validation[it], loss, rtol), f"{run.name}: validation loss at {it}: {run.validation[it]} != {loss}"
+
+
+def stock_ref(mlm: Runner) -> Run:
+    ref = mlm.run("stock", TINY + P2V2)
+    assert ref.iterations() == [1, 2, 3, 4], _tail(ref.output)
+    return ref
+
+
+# ------------------------------------------------------------------------------------------------ the matrix
+
+BREADTH_FIRST = {
+    "bf": [],
+    "bf-zero1": ["--zero-stage", "1"],
+    "bf-zero2": ["--zero-stage", "2"],
+    "bf-zero3": ["--zero-stage", "3"],
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(BREADTH_FIRST))
+def test_breadth_first_matches_stock(mlm: Runner, case: str) -> None:
+    """P = 2, V = 2, M = 8: breadth-first without and with ZeRO-1/2/3 == stock interleaved 1F1B."""
+    run = mlm.run("patched", TINY + P2V2 + ["--pipeline-schedule", "breadth-first", *BREADTH_FIRST[case]])
+    ref = stock_ref(mlm)
+    assert "megatron_bfpp: installed pipeline schedule breadth-first" in run.output
+    assert_same_training(run, ref)
+    assert_same_validation(run, ref)
+    zeros = {r["num_zeros"] for r in run.records}
+    assert zeros == {None}, f"num zeros logged without --log-num-zeros-in-grad: {zeros}"
+    assert all(v["num zeros"] is None for v in run.log.values())
+
+
+@pytest.mark.timeout(600)
+def test_interleaved_1f1b_matches_stock(mlm: Runner) -> None:
+    run = mlm.run("patched", TINY + P2V2 + ["--pipeline-schedule", "interleaved-1f1b"])
+    assert_same_training(run, stock_ref(mlm))
+
+
+@pytest.mark.timeout(600)
+def test_launcher_unpatched_checkout_zero3_matches_stock(mlm: Runner) -> None:
+    """The unmodified script through `python -m megatron_bfpp.launch`."""
+    run = mlm.run("launch", TINY + P2V2 + ["--pipeline-schedule", "breadth-first", "--zero-stage", "3"])
+    assert "megatron_bfpp: installed pipeline schedule breadth-first" in run.output
+    assert_same_training(run, stock_ref(mlm))
+
+
+@pytest.mark.timeout(600)
+def test_evaluation_matches_stock(mlm: Runner) -> None:
+    """Megatron's evaluate() runs the plugin's forward-only schedule: same validation losses (iterations 2, 4)."""
+    ref = stock_ref(mlm)
+    assert sorted(ref.validation) == [2, 4]
+    for args in (["--zero-stage", "3"], []):
+        run = mlm.run("patched", TINY + P2V2 + ["--pipeline-schedule", "breadth-first", *args])
+        assert_same_validation(run, ref)
+    assert_same_validation(mlm.run("patched", TINY + P2V2 + ["--pipeline-schedule", "interleaved-1f1b"]), ref)
