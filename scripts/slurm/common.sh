@@ -1,21 +1,64 @@
 #!/usr/bin/env bash
 # Shared body of the pretrain_*.sbatch scripts: multi-node `srun` + `torchrun` (c10d rendezvous) running
-# Megatron-LM's pretrain_gpt.py with megatron_bfpp, NCCL/InfiniBand environment, checkpoint and log directories.
-# Sourced by a batch script that sets MODEL_NAME, MODEL_ARGS, NNODES, TP, PP, LAYERS_PER_STAGE, MBS, GBS, then
-# calls `bfpp_slurm_main "$@"`.
+# Megatron-LM's pretrain_gpt.py with megatron_bfpp, NCCL/InfiniBand environment, checkpoints outside the
+# checkout, preemption handling (SLURM warning signal -> Megatron saves and exits -> requeue).
+# Sourced by a batch script that sets BFPP_ROOT (the project), BFPP_SCRIPT (its own real path), MODEL_NAME,
+# MODEL_ARGS, NNODES, TP, PP, LAYERS_PER_STAGE, MBS, GBS, RECOMPUTE, then calls `bfpp_slurm_main "$@"`.
 #
-# Arguments:    --dry-run  print the environment, directories and the exact srun command; run nothing.
+# Arguments:    --dry-run  print what will run (working directory, real script path, rendezvous, environment,
+#               directories, the preflight and training commands) after running the project's flag
+#               validation (python -m megatron_bfpp.megatron.check) here; start nothing.
 #               Any other argument is appended to Megatron's flags.
-# Environment (all optional):
-#   MEGATRON_LM_DIR   Megatron-LM checkout (default: $BFPP_ROOT/../Megatron-LM)
+# Environment (all optional; relative paths are taken from the directory you submit from):
+#   MEGATRON_LM_DIR   Megatron-LM checkout (default: next to the project, $BFPP_ROOT/../Megatron-LM)
+#   BFPP_SRUN_ARGS    extra srun options for every step, split on spaces, e.g. for enroot/pyxis:
+#                     "--container-image=/images/pytorch.sqsh --container-mounts=/home:/home,/data:/data"
+#   TRANSFORMER_IMPL  auto (default: TransformerEngine when the first node can import it, else
+#                     --transformer-impl local with a note), transformer_engine or local
+#   TP_COMM_OVERLAP=0 no --tp-comm-overlap (default: on when TP > 1 and TransformerEngine is used)
+#   RECOMPUTE         full | selective | none (activation recomputation; default from the batch script)
 #   USE_PATCH=1       run the patched pretrain_gpt.py (scripts/apply_megatron_patches.sh) instead of the
 #                     no-patch launcher `python -m megatron_bfpp.launch`
 #   GPUS_PER_NODE TP PP LAYERS_PER_STAGE MBS GBS GROUP_SIZE SCHEDULE ZERO_STAGE TRAIN_ITERS
-#   DATA_PATH VOCAB_FILE MERGE_FILE  (unset DATA_PATH: Megatron's mock data with a null tokenizer)
-#   OUT_ROOT RUN_NAME CKPT_DIR LOG_DIR SAVE_INTERVAL MASTER_PORT TIMELINE=1 EXTRA_ARGS
-#   NCCL_IB_HCA NCCL_SOCKET_IFNAME NCCL_DEBUG ...  (passed through to every rank)
+#                     ZERO_STAGE= (empty) keeps Megatron's distributed optimizer (overlapped grad reduce and
+#                     param gather) under the plugin's schedule
+#   DATA_PATH VOCAB_FILE MERGE_FILE DATA_CACHE_PATH  (unset DATA_PATH: Megatron's mock data, null tokenizer)
+#   OUT_ROOT (default: ${SCRATCH:-$HOME}/megatron_bfpp-runs) RUN_NAME CKPT_DIR LOG_DIR
+#   SAVE_INTERVAL (default 100)  EXIT_MARGIN_MINS (default 15)  REQUEUE=0 (no automatic requeue)
+#   MASTER_PORT TIMELINE=1 EXTRA_ARGS BFPP_SKIP_CHECK=1 (no flag validation)
+#   NCCL_IB_HCA NCCL_SOCKET_IFNAME NCCL_IB_GID_INDEX NCCL_NET_GDR_LEVEL NCCL_DEBUG ... (passed to every rank)
+# Bash >= 4.2 (possibly empty arrays are expanded as ${a[@]+"${a[@]}"} under `set -u`).
 
 bfpp_die() { echo "error: $*" >&2; exit 1; }
+bfpp_note() { echo "note: $*" >&2; }
+
+# Absolute form of a path, relative ones taken from the current (submit) directory; need not exist.
+bfpp_abs() {
+  case "$1" in
+    /*) printf '%s\n' "$1" ;;
+    *) printf '%s\n' "$PWD/${1#./}" ;;
+  esac
+}
+
+# Minutes in a SLURM time string: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (empty for UNLIMITED and the like).
+bfpp_minutes() {
+  local t="$1" d=0 h=0 m=0
+  local -a f
+  case "$t" in *[!0-9:-]*|'') return 0 ;; esac
+  if [[ "$t" == *-* ]]; then
+    d="${t%%-*}"; t="${t#*-}"
+    IFS=: read -r -a f <<< "$t"
+    h="${f[0]:-0}"; m="${f[1]:-0}"
+  else
+    IFS=: read -r -a f <<< "$t"
+    case "${#f[@]}" in
+      1) m="${f[0]}" ;;
+      2) m="${f[0]}" ;;
+      *) h="${f[0]}"; m="${f[1]}" ;;
+    esac
+  fi
+  echo $(( 10#$d * 1440 + 10#$h * 60 + 10#$m ))
+}
 
 bfpp_slurm_main() {
   local dry_run=0 arg
@@ -27,70 +70,67 @@ bfpp_slurm_main() {
     esac
   done
 
-  # SLURM copies batch scripts to a spool directory: locate the project from the submit directory.
-  local root="${BFPP_ROOT:-}"
-  if [ -z "$root" ]; then
-    if [ -f "${SLURM_SUBMIT_DIR:-}/scripts/slurm/common.sh" ]; then root="$SLURM_SUBMIT_DIR"
-    else root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"; fi
-  fi
-  local mlm="${MEGATRON_LM_DIR:-$root/../Megatron-LM}"
+  local root="${BFPP_ROOT:?the batch script sets BFPP_ROOT}"
+  root="$(cd "$root" && pwd -P)" || bfpp_die "BFPP_ROOT=$BFPP_ROOT is not a directory"
+  local script="${BFPP_SCRIPT:-$root/scripts/slurm/$MODEL_NAME.sbatch}"
+  local submit_dir="$PWD"
+
+  # Paths: absolute before anything changes directory (srun runs in the Megatron-LM checkout).
+  local mlm
+  mlm="$(bfpp_abs "${MEGATRON_LM_DIR:-$root/../Megatron-LM}")"
+  if [ -d "$mlm" ]; then mlm="$(cd "$mlm" && pwd -P)"; fi
+  local entry_script="$mlm/pretrain_gpt.py"
+  if [ -f "$entry_script" ]; then entry_script="$(readlink -f "$entry_script")"; fi
+
   local nnodes="${NNODES:?set NNODES}"
   local gpus="${GPUS_PER_NODE:-8}"
+  local world=$(( nnodes * gpus ))
+  if (( world % (TP * PP) != 0 )); then
+    bfpp_die "$nnodes node(s) x $gpus GPU(s) = $world ranks is not a multiple of TP x PP = $TP x $PP = $(( TP * PP )):" \
+      "submit with sbatch -N a multiple of $(( (TP * PP + gpus - 1) / gpus )) nodes, or change TP/PP"
+  fi
+  local dp=$(( world / (TP * PP) ))
   local schedule="${SCHEDULE:-breadth-first}"
   local zero="${ZERO_STAGE-3}"
   local run="${RUN_NAME:-$MODEL_NAME-$schedule${zero:+-zero$zero}}"
-  local out="${OUT_ROOT:-$root/runs}/$run"
-  local ckpt="${CKPT_DIR:-$out/checkpoints}"
-  local logs="${LOG_DIR:-$out/logs}"
-  local master_addr master_port="${MASTER_PORT:-29500}"
-  if [ -n "${SLURM_JOB_NODELIST:-}" ] && command -v scontrol >/dev/null 2>&1; then
+  local out
+  out="$(bfpp_abs "${OUT_ROOT:-${SCRATCH:-$HOME}/megatron_bfpp-runs}")/$run"
+  local ckpt logs
+  ckpt="$(bfpp_abs "${CKPT_DIR:-$out/checkpoints}")"
+  logs="$(bfpp_abs "${LOG_DIR:-$out/logs}")"
+  case "$ckpt/" in
+    "$root"/*) bfpp_note "checkpoints go inside the code checkout ($ckpt): set OUT_ROOT or CKPT_DIR to a" \
+                 "scratch file system" ;;
+  esac
+  local train_iters="${TRAIN_ITERS:-500}"
+  local save_interval="${SAVE_INTERVAL:-100}"
+  (( save_interval <= train_iters )) || save_interval="$train_iters"
+
+  local in_job=0
+  [ -n "${SLURM_JOB_ID:-}" ] && in_job=1
+  local master_addr master_port="${MASTER_PORT:-29500}" rdzv_id="${SLURM_JOB_ID:-bfpp}"
+  if [ "$in_job" = 1 ] && [ -n "${SLURM_JOB_NODELIST:-}" ] && command -v scontrol >/dev/null 2>&1; then
     master_addr="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
   else
     master_addr="${MASTER_ADDR:-$(hostname)}"
   fi
 
-  local -a megatron=("${MODEL_ARGS[@]}"
-    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-    --num-layers-per-virtual-pipeline-stage "$LAYERS_PER_STAGE"
-    --micro-batch-size "$MBS" --global-batch-size "$GBS"
-    --pipeline-schedule "$schedule"
-  )
-  [ -n "$zero" ] && megatron+=(--zero-stage "$zero")
-  [ -n "${GROUP_SIZE:-}" ] && megatron+=(--microbatch-group-size-per-virtual-pipeline-stage "$GROUP_SIZE")
-  [ "${TIMELINE:-0}" = 1 ] && megatron+=(--timeline "$logs/timeline.json")
-  megatron+=(
-    --bf16 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
-    --lr 1.5e-4 --min-lr 1.5e-5 --lr-decay-style cosine --lr-warmup-iters 100 --weight-decay 0.1
-    --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.006
-    --train-iters "${TRAIN_ITERS:-500}" --eval-interval 1000 --eval-iters 10
-    --save "$ckpt" --load "$ckpt" --save-interval "${SAVE_INTERVAL:-1000}"
-    --log-interval 1 --log-throughput --log-memory-interval 10 --tensorboard-dir "$logs/tensorboard"
-    --distributed-timeout-minutes 30
-  )
-  if [ -n "${DATA_PATH:-}" ]; then
-    megatron+=(--data-path "$DATA_PATH" --split "949,50,1" --tokenizer-type GPT2BPETokenizer
-      --vocab-file "${VOCAB_FILE:?set VOCAB_FILE with DATA_PATH}" --merge-file "${MERGE_FILE:?set MERGE_FILE with DATA_PATH}")
-  else
-    megatron+=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50257)
+  # Time limit -> Megatron's --exit-duration-in-mins (saves and exits before the limit, even without the
+  # warning signal). In a job: the time left (squeue); otherwise the script's #SBATCH --time.
+  local limit="" exit_mins=""
+  if [ "$in_job" = 1 ] && command -v squeue >/dev/null 2>&1; then
+    limit="$(bfpp_minutes "$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | head -n 1)")"
+  elif [ -f "$script" ]; then
+    limit="$(bfpp_minutes "$(sed -n 's/^#SBATCH --time=\([^[:space:]]*\).*/\1/p' "$script" | head -n 1)")"
   fi
-  if [ -n "${EXTRA_ARGS:-}" ]; then
-    local -a env_extra
-    read -r -a env_extra <<< "$EXTRA_ARGS"
-    megatron+=("${env_extra[@]}")
-  fi
-  megatron+=("${extra[@]}")
+  if [ -n "${EXIT_DURATION_MINS:-}" ]; then exit_mins="$EXIT_DURATION_MINS"
+  elif [ -n "$limit" ] && (( limit > ${EXIT_MARGIN_MINS:-15} )); then exit_mins=$(( limit - ${EXIT_MARGIN_MINS:-15} )); fi
 
-  local -a entry
-  if [ "${USE_PATCH:-0}" = 1 ]; then entry=("$mlm/pretrain_gpt.py")
-  else entry=(-m megatron_bfpp.launch "$mlm/pretrain_gpt.py"); fi
+  # Site srun options (containers, accounts, ...) for every step.
+  local -a site=()
+  if [ -n "${BFPP_SRUN_ARGS:-}" ]; then read -r -a site <<< "$BFPP_SRUN_ARGS"; fi
 
-  local -a cmd=(srun --nodes "$nnodes" --ntasks-per-node 1 --kill-on-bad-exit=1
-    --output "$logs/%x-%j-node%n.log"
-    torchrun --nnodes "$nnodes" --nproc-per-node "$gpus"
-    --rdzv-id "${SLURM_JOB_ID:-bfpp}" --rdzv-backend c10d --rdzv-endpoint "$master_addr:$master_port"
-    "${entry[@]}" "${megatron[@]}")
-
-  # Communication environment (every variable can be overridden from the submitting shell).
+  # Communication and Python environment (every variable can be overridden from the submitting shell).
   export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # Megatron's TP/SP overlap ordering
   export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
   export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
@@ -98,24 +138,158 @@ bfpp_slurm_main() {
   export NCCL_IB_QPS_PER_CONNECTION="${NCCL_IB_QPS_PER_CONNECTION:-4}"
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   export PYTHONUNBUFFERED=1
+  # The project and the Megatron-LM checkout importable without installing them (containers).
+  export PYTHONPATH="$root:$mlm${PYTHONPATH:+:$PYTHONPATH}"
   local -a envs=(CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_DEBUG NCCL_IB_TIMEOUT
-    NCCL_IB_QPS_PER_CONNECTION OMP_NUM_THREADS PYTHONUNBUFFERED)
+    NCCL_IB_QPS_PER_CONNECTION OMP_NUM_THREADS PYTHONUNBUFFERED PYTHONPATH)
   local v
   for v in NCCL_IB_HCA NCCL_SOCKET_IFNAME NCCL_IB_GID_INDEX NCCL_NET_GDR_LEVEL; do
     if [ -n "${!v:-}" ]; then export "${v?}"; envs+=("$v"); fi
   done
 
+  # One-task steps on the first node, in the same environment (container) as the ranks.
+  local -a step=(srun --nodes=1 --ntasks=1 --chdir="$mlm" ${site[@]+"${site[@]}"})
+
+  # TransformerEngine: Megatron's default model path needs it; without it, the local implementation.
+  local impl="${TRANSFORMER_IMPL:-auto}" probe_where="on the first node"
+  local -a probe=(python -c "import transformer_engine.pytorch")
+  [ "$dry_run" = 1 ] && probe_where="here"
+  if [ "$impl" = auto ]; then
+    if { [ "$dry_run" = 1 ] && "${probe[@]}" >/dev/null 2>&1; } ||
+       { [ "$dry_run" = 0 ] && "${step[@]}" "${probe[@]}" >/dev/null 2>&1; }; then
+      impl=transformer_engine
+    else
+      impl=local
+      bfpp_note "TransformerEngine is not importable $probe_where: running with --transformer-impl local" \
+        "(Megatron's own layers, no fused kernels). Use NVIDIA's PyTorch container or install" \
+        "transformer-engine[pytorch] (README, GPU environment), or set TRANSFORMER_IMPL."
+    fi
+  fi
+  case "$impl" in local|transformer_engine) ;; *) bfpp_die "TRANSFORMER_IMPL=$impl: use auto, local or transformer_engine" ;; esac
+
+  local -a megatron=("${MODEL_ARGS[@]}"
+    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+    --num-layers-per-virtual-pipeline-stage "$LAYERS_PER_STAGE"
+    --micro-batch-size "$MBS" --global-batch-size "$GBS"
+    --pipeline-schedule "$schedule"
+    --transformer-impl "$impl"
+  )
+  if [ -n "$zero" ]; then
+    megatron+=(--zero-stage "$zero")
+  else  # Megatron's own distributed optimizer under the plugin's schedule
+    megatron+=(--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
+  fi
+  if (( TP > 1 )); then
+    megatron+=(--sequence-parallel)
+    if [ "$impl" = transformer_engine ] && [ "${TP_COMM_OVERLAP:-1}" != 0 ]; then megatron+=(--tp-comm-overlap); fi
+  fi
+  case "${RECOMPUTE:-none}" in
+    full) megatron+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1) ;;
+    selective) megatron+=(--recompute-granularity selective) ;;
+    none) ;;
+    *) bfpp_die "RECOMPUTE=$RECOMPUTE: use full, selective or none" ;;
+  esac
+  if [ -n "${GROUP_SIZE:-}" ]; then megatron+=(--microbatch-group-size-per-virtual-pipeline-stage "$GROUP_SIZE"); fi
+  if [ "${TIMELINE:-0}" = 1 ]; then megatron+=(--timeline "$logs/timeline.json"); fi
+  megatron+=(
+    --bf16
+    --lr 1.5e-4 --min-lr 1.5e-5 --lr-decay-style cosine --lr-warmup-iters 100 --weight-decay 0.1
+    --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.006 --seed 1234
+    --train-iters "$train_iters" --eval-interval 1000 --eval-iters 10
+    --save "$ckpt" --load "$ckpt" --save-interval "$save_interval"
+    --exit-signal-handler --exit-signal SIGUSR1
+    --log-interval 1 --log-throughput --log-memory-interval 10 --tensorboard-dir "$logs/tensorboard"
+    --distributed-timeout-minutes 30
+  )
+  if [ -n "$exit_mins" ]; then megatron+=(--exit-duration-in-mins "$exit_mins"); fi
+  if [ -n "${DATA_PATH:-}" ]; then
+    # DATA_PATH may be a blend "WEIGHT PREFIX WEIGHT PREFIX ...": make the prefixes absolute.
+    local -a blend=()
+    local tok
+    read -r -a blend <<< "$DATA_PATH"
+    local -a data=()
+    for tok in "${blend[@]}"; do
+      if [[ "$tok" =~ ^[0-9.eE+-]+$ ]]; then data+=("$tok"); else data+=("$(bfpp_abs "$tok")"); fi
+    done
+    megatron+=(--data-path "${data[@]}" --split "949,50,1" --tokenizer-type GPT2BPETokenizer
+      --vocab-file "$(bfpp_abs "${VOCAB_FILE:?set VOCAB_FILE with DATA_PATH}")"
+      --merge-file "$(bfpp_abs "${MERGE_FILE:?set MERGE_FILE with DATA_PATH}")"
+      # Index caches in the run directory: the data directory may be read-only.
+      --data-cache-path "$(bfpp_abs "${DATA_CACHE_PATH:-$out/data-cache}")")
+  else
+    megatron+=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50257)
+  fi
+  if [ -n "${EXTRA_ARGS:-}" ]; then
+    local -a env_extra=()
+    read -r -a env_extra <<< "$EXTRA_ARGS"
+    megatron+=(${env_extra[@]+"${env_extra[@]}"})
+  fi
+  megatron+=(${extra[@]+"${extra[@]}"})
+
+  local -a entry
+  if [ "${USE_PATCH:-0}" = 1 ]; then entry=("$entry_script")
+  else entry=(-m megatron_bfpp.launch "$entry_script"); fi
+
+  local -a check=(python -m megatron_bfpp.megatron.check --world-size "$world" -- "${megatron[@]}")
+  local -a cmd=(srun --nodes="$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir="$mlm"
+    --open-mode=append --output="$logs/%x-%j-node%n.log" ${site[@]+"${site[@]}"}
+    bash "$root/scripts/slurm/node_launch.sh"
+    torchrun --nnodes "$nnodes" --nproc-per-node "$gpus"
+    --rdzv-id "$rdzv_id" --rdzv-backend c10d --rdzv-endpoint "$master_addr:$master_port"
+    "${entry[@]}" "${megatron[@]}")
+
+  local m=$(( GBS / (MBS * dp) ))
+  local header="# $MODEL_NAME: $nnodes node(s) x $gpus GPU(s) = $world ranks: TP=$TP PP=$PP DP=$dp,"
+  header+=" $LAYERS_PER_STAGE layer(s) per virtual stage, global batch $GBS = $m micro-batch(es) of $MBS per DP rank"
+
   if [ "$dry_run" = 1 ]; then
-    echo "# $MODEL_NAME on $nnodes node(s) x $gpus GPU(s): TP=$TP PP=$PP, $LAYERS_PER_STAGE layer(s) per virtual stage"
+    echo "$header"
+    echo "# project:             $root"
+    echo "# batch script:        $(readlink -f "$script")"
+    echo "# submitted from:      $submit_dir"
+    echo "# working directory:   $mlm"
+    echo "# training script:     $entry_script"
+    if [ ! -f "$entry_script" ]; then echo "# (no such file here: set MEGATRON_LM_DIR to the Megatron-LM checkout)"; fi
+    if [ "$in_job" = 1 ]; then
+      echo "# rendezvous:          c10d at $master_addr:$master_port, id $rdzv_id (first node of job $SLURM_JOB_ID)"
+    else
+      echo "# rendezvous:          c10d at $master_addr:$master_port, id $rdzv_id (outside a job: this host;" \
+        "under sbatch: the first node of the allocation and the job id)"
+    fi
+    echo "# checkpoints:         $ckpt (save every $save_interval iterations, on SIGUSR1 and after" \
+      "${exit_mins:-no} minutes)"
+    if [ "${BFPP_SKIP_CHECK:-0}" != 1 ]; then
+      local verdict
+      verdict="$(cd "$mlm" 2>/dev/null; "${check[@]}" 2>&1)" ||
+        { echo "$verdict" | tail -n 5 >&2; bfpp_die "the project's check rejects these flags (above)"; }
+      echo "# check:               $(echo "$verdict" | tail -n 1)"
+    fi
     for v in "${envs[@]}"; do printf 'export %s=%q\n' "$v" "${!v}"; done
     printf 'mkdir -p %q %q\n' "$ckpt" "$logs"
+    printf '%q ' "${step[@]}" "${check[@]}"
+    echo
     printf '%q ' "${cmd[@]}"
     echo
     return 0
   fi
-  [ -n "${SLURM_JOB_ID:-}" ] || bfpp_die "not inside a SLURM job: submit with sbatch (or pass --dry-run)"
-  [ -f "$mlm/pretrain_gpt.py" ] || bfpp_die "MEGATRON_LM_DIR=$mlm has no pretrain_gpt.py"
+
+  [ "$in_job" = 1 ] || bfpp_die "not inside a SLURM job: submit with sbatch (or pass --dry-run)"
+  [ -f "$entry_script" ] || bfpp_die "MEGATRON_LM_DIR=$mlm has no pretrain_gpt.py"
+  echo "$header"
   mkdir -p "$ckpt" "$logs"
-  cd "$mlm" || bfpp_die "cannot enter $mlm"
-  "${cmd[@]}"
+  if [ "${BFPP_SKIP_CHECK:-0}" != 1 ]; then
+    "${step[@]}" "${check[@]}" || bfpp_die "the project's check rejects the job's flags (above): nothing started"
+  fi
+  local start_iter=0 end_iter=0
+  if [ -f "$ckpt/latest_checkpointed_iteration.txt" ]; then start_iter="$(cat "$ckpt/latest_checkpointed_iteration.txt")"; fi
+  local rc=0
+  "${cmd[@]}" || rc=$?
+  if [ "$rc" != 0 ]; then bfpp_die "training exited with status $rc: see $logs"; fi
+  if [ -f "$ckpt/latest_checkpointed_iteration.txt" ]; then end_iter="$(cat "$ckpt/latest_checkpointed_iteration.txt")"; fi
+  # Stopped early (warning signal or --exit-duration-in-mins) after progress: come back from the checkpoint.
+  if [[ "$end_iter" =~ ^[0-9]+$ ]] && [[ "$start_iter" =~ ^[0-9]+$ ]] && (( end_iter < train_iters )) &&
+     (( end_iter > start_iter )) && [ "${REQUEUE:-1}" = 1 ]; then
+    echo "stopped at iteration $end_iter of $train_iters (time limit): requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
 }
