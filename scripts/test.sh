@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# The test command: the whole suite, failing on "no tests ran" (pytest exit code 5).
+# The test command: the whole suite, failing on "no tests ran" (pytest exit code 5); skip reasons are printed.
+# MEGATRON_LM_DIR (a Megatron-LM checkout for the patch, launcher and pretrain_gpt.py tests) defaults to
+# ../shared/megatron-lm/core_v0.19.0 next to the repository when that folder exists.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT" || exit 1
-python -m pytest -q "$@" tests
+if [ -z "${MEGATRON_LM_DIR:-}" ] && [ -f "$ROOT/../shared/megatron-lm/core_v0.19.0/pretrain_gpt.py" ]; then
+  MEGATRON_LM_DIR="$(cd "$ROOT/../shared/megatron-lm/core_v0.19.0" && pwd)"
+  export MEGATRON_LM_DIR
+fi
+echo "MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-<unset: the Megatron-LM checkout tests skip>}"
+python -m pytest -q -rs "$@" tests
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "error: no tests ran" >&2; exit 1; fi
 exit "$rc"
