@@ -131,6 +131,51 @@ def _flag(args: argparse.Namespace, name: str, default=None):
     return getattr(args, name, default)
 
 
+def _check_zero_stage_readers(args: argparse.Namespace, zero: int) -> None:
+    """Megatron-LM features that read or write parameters, `main_grad` or `.grad` outside the schedule, where
+    --zero-stage frees or shards that storage between uses (ZeRO-2: full gradients; ZeRO-3: weights too)."""
+    graphs = _flag(args, "cuda_graph_impl", "none")
+    for name, flag, impl in (("enable_cuda_graph", "--enable-cuda-graph", "local"),
+                             ("external_cuda_graph", "--external-cuda-graph", "transformer_engine")):
+        if _flag(args, name, False):  # 0.16 keeps the deprecated flags; 0.19 maps them to --cuda-graph-impl
+            graphs = impl if graphs in (None, "none") else graphs
+            graph_flag = flag
+            break
+    else:
+        graph_flag = f"--cuda-graph-impl {graphs}"
+    if zero in (2, 3) and graphs not in (None, "none", "full_iteration"):
+        what = "parameters and full gradients" if zero == 3 else "full gradients (main_grad)"
+        raise ConfigError(
+            f"{graph_flag} (per-layer CUDA graphs) with --zero-stage {zero}: the graphs capture fixed tensor "
+            f"addresses, and --zero-stage {zero} frees and reallocates the {what} between uses; drop "
+            f"{graph_flag.split()[0]} (use --cuda-graph-impl none) or use --zero-stage 1"
+        )
+    if _flag(args, "save_wgrads_interval") is not None:
+        raise ConfigError(
+            f"--save-wgrads-interval with --zero-stage {zero}: it saves every parameter's main_grad after a forced "
+            f"all-reduce, and --zero-stage reduce-scatters gradients into shards (each rank holds only its part); "
+            "drop --save-wgrads-interval or drop --zero-stage"
+        )
+    if zero == 3 and _flag(args, "save_params_interval") is not None:
+        raise ConfigError(
+            "--save-params-interval with --zero-stage 3: it saves param.data outside the schedule, where "
+            "--zero-stage 3 keeps only this rank's shard; drop --save-params-interval, save a checkpoint "
+            "(--save/--save-interval, written with gathered weights), or use --zero-stage 2"
+        )
+    if _flag(args, "qk_clip", False):
+        raise ConfigError(
+            f"--qk-clip with --zero-stage {zero}: it rescales the attention weights in place after the optimizer "
+            "step, bypassing the sharded optimizer's fp32 master weights (and, at stage 3, the weights are "
+            "sharded); drop --qk-clip or drop --zero-stage"
+        )
+    optimizer = _flag(args, "optimizer", "adam")
+    if optimizer not in (None, "adam"):
+        raise ConfigError(
+            f"--optimizer {optimizer} with --zero-stage {zero}: the sharded optimizer is Adam/AdamW only; use "
+            "--optimizer adam or drop --zero-stage"
+        )
+
+
 def validate_args(args: argparse.Namespace) -> PluginConfig:
     """Validate Megatron-LM's parsed and validated `args` (after Megatron's own `validate_args`) with the plugin's
     flags; return the resolved configuration or raise one `ConfigError` naming the flags and the fix."""
@@ -196,6 +241,8 @@ def validate_args(args: argparse.Namespace) -> PluginConfig:
                     f"--zero-stage {zero} places gradient reduce-scatters and weight all-gathers in the schedule: "
                     f"drop {flag} (it configures Megatron's own DDP, which --zero-stage {zero} replaces)"
                 )
+    if zero is not None:
+        _check_zero_stage_readers(args, zero)
     if _flag(args, "fp16", False):
         scale = _flag(args, "loss_scale")
         if scale is not None and float(scale) <= 1.0:
@@ -205,10 +252,10 @@ def validate_args(args: argparse.Namespace) -> PluginConfig:
             )
     if runtime:
         if _flag(args, "cuda_graph_impl", "none") == "full_iteration":
+            per_layer = ("--cuda-graph-impl local/transformer_engine (per-layer), " if zero in (None, 1) else "")
             raise ConfigError(
                 f"--cuda-graph-impl full_iteration captures Megatron's own schedule; it cannot capture "
-                f"--pipeline-schedule {schedule}: use --cuda-graph-impl none/local/transformer_engine (per-layer) "
-                "or --pipeline-schedule default"
+                f"--pipeline-schedule {schedule}: use --cuda-graph-impl none, {per_layer}or --pipeline-schedule default"
             )
         if _flag(args, "overlap_moe_expert_parallel_comm", False):
             raise ConfigError(
