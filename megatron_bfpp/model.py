@@ -102,13 +102,17 @@ def have_transformer_engine() -> bool:
 
 def layer_spec(device: torch.device | str | None = None, normalization: str = "LayerNorm") -> ModuleSpec:
     """The transformer-layer spec for `device`: on CPU Megatron's local spec with `SDPACoreAttention`; on CUDA
-    the TransformerEngine spec when importable, else the local spec with Megatron's DotProductAttention."""
+    the TransformerEngine spec when importable, else the local spec with Megatron's DotProductAttention.
+
+    `normalization` selects the local spec's norm class; the TransformerEngine spec takes no such argument
+    (its TENorm and fused layernorm-linear read `config.normalization` when the layer is built), as in
+    Megatron-LM's `gpt_builders`."""
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda":
         if have_transformer_engine():
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-            return get_gpt_layer_with_transformer_engine_spec(normalization=normalization)
+            return get_gpt_layer_with_transformer_engine_spec()
         return get_gpt_layer_local_spec(normalization=normalization)
     spec = get_gpt_layer_local_spec(normalization=normalization)
     spec = copy.deepcopy(spec)
@@ -436,12 +440,14 @@ def init_value(name: str, shape: Sequence[int], seed: int, config: TransformerCo
     """The fp32 CPU initial value of the global parameter `name` (depends on (seed, name, shape) only)."""
     leaf = name.rsplit(".", 1)[-1]
     if len(shape) == 1:
+        # Host values by design: drawn on the CPU generator, then copied to each parameter's device.
         if leaf.endswith("bias"):
-            return torch.zeros(shape)
+            return torch.zeros(shape, device="cpu")
         if leaf.endswith("weight"):  # 1-D weights are norm scales (local: *norm.weight; TE: layer_norm_weight)
-            return torch.zeros(shape) if config.layernorm_zero_centered_gamma else torch.ones(shape)
+            zero = config.layernorm_zero_centered_gamma
+            return torch.zeros(shape, device="cpu") if zero else torch.ones(shape, device="cpu")
     elif len(shape) >= 2 and leaf.endswith("weight"):
-        value = torch.empty(tuple(shape), dtype=torch.float32)
+        value = torch.empty(tuple(shape), dtype=torch.float32, device="cpu")
         # Megatron's init methods draw from the default CPU generator: seed it per parameter, then restore it.
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(_key(seed, name))

@@ -295,6 +295,45 @@ def test_cpu_spec_uses_sdpa_core():
     assert spec.submodules.self_attention.submodules.core_attention is mm.SDPACoreAttention
 
 
+def _signature_checked(monkeypatch, module, name: str) -> list:
+    """Replace `module.name` by a stand-in that binds its arguments to the real function's signature (a
+    TypeError exactly where the real call would raise one) and records the call."""
+    import inspect
+
+    real = getattr(module, name)
+    sig = inspect.signature(real)
+    calls = []
+
+    def checked(*args, **kwargs):
+        sig.bind(*args, **kwargs)
+        calls.append(kwargs)
+        return real(*args, **kwargs) if name == "get_gpt_layer_local_spec" else ("te spec", args, kwargs)
+
+    monkeypatch.setattr(module, name, checked)
+    return calls
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_gpu_spec_calls_match_megatron_signatures(monkeypatch, normalization):
+    """The CUDA branch of layer_spec, on CPU: TransformerEngine made to look importable, and Megatron's spec
+    functions checked against their real signatures (megatron-core 0.19's TE spec takes no `normalization`:
+    TENorm reads config.normalization)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    te_calls = _signature_checked(monkeypatch, gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec")
+    local_calls = _signature_checked(monkeypatch, gpt_layer_specs, "get_gpt_layer_local_spec")
+    monkeypatch.setattr(mm, "get_gpt_layer_local_spec", gpt_layer_specs.get_gpt_layer_local_spec)
+
+    monkeypatch.setattr(mm, "have_transformer_engine", lambda: True)
+    assert mm.layer_spec("cuda", normalization)[0] == "te spec"
+    assert len(te_calls) == 1
+
+    monkeypatch.setattr(mm, "have_transformer_engine", lambda: False)
+    spec = mm.layer_spec("cuda", normalization)  # Megatron's local spec, its own core attention
+    assert local_calls == [{"normalization": normalization}]
+    assert spec.submodules.self_attention.submodules.core_attention is not mm.SDPACoreAttention
+
+
 # ------------------------------------------------------------------------------------------------ reference
 def test_reference_normalises_like_megatron_schedules():
     cfg = config(num_layers=2)
