@@ -9,6 +9,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests import toy_pipeline as toy
+from tests.strict_p2p import strict_p2p
 
 CASES = [  # (schedule, P, V, M, group size)
     ("gpipe", 2, 1, 4, None), ("1f1b", 2, 1, 3, None), ("interleaved-1f1b", 2, 2, 4, None),
@@ -23,9 +24,16 @@ CASES_P1 = [("breadth-first", 1, 3, 4, None), ("interleaved-1f1b", 1, 2, 3, 1), 
 def _pipeline_worker(rank: int, world: int, cases) -> list:
     import torch.distributed as dist
 
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    with strict_p2p():  # sends complete only once their receive is posted, as NCCL's may
+        return _run_cases(rank, world, cases)
+
+
+def _run_cases(rank: int, world: int, cases) -> list:
+    import torch.distributed as dist
+
     from megatron_bfpp.runtime import get_forward_backward_func, set_wait_timeout
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     set_wait_timeout(60)
     pg = SimpleNamespace(pp=dist.new_group(list(range(world))), dp=None)
     results = []
@@ -82,3 +90,28 @@ def test_all_schedules_match_reference_p4():
 @pytest.mark.timeout(300)
 def test_single_rank_several_chunks():
     _check(CASES_P1, run_distributed(_pipeline_worker, 1, CASES_P1), 1)
+
+
+def _unsafe_order_worker(rank: int, world: int) -> str:
+    """Both ranks post a receive ahead of the send the other needs: fine on gloo, a deadlock on NCCL."""
+    import torch.distributed as dist
+
+    from megatron_bfpp.runtime.p2p import PipelineP2P
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    p2p = PipelineP2P(dist.new_group([0, 1]), torch.device("cpu"))
+    peer = 1 - rank
+    with strict_p2p(timeout_s=3):
+        try:
+            p2p.post([p2p.recv_op((2,), torch.float32, peer, "activations")])
+            p2p.post([p2p.send_op(torch.ones(2), peer, "activations")])
+        except TimeoutError as e:
+            return str(e)
+    return "completed"
+
+
+@pytest.mark.timeout(120)
+def test_strict_p2p_catches_an_nccl_unsafe_order():
+    """The strict mode the runtime tests run under would fail on an order that deadlocks under NCCL."""
+    out = run_distributed(_unsafe_order_worker, 2)
+    assert all("deadlocks under NCCL" in o for o in out), out

@@ -8,15 +8,18 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_bfpp.schedule import (
-    Action, Op, Schedule, ScheduleError, build, from_csv, from_json, lower, make_schedule, peak_activations,
+    SCHEDULE_NAMES, Action, Op, Schedule, ScheduleError, build, from_csv, from_json, lower, make_schedule, peak_activations,
     simulate_order, to_csv, to_json, validate,
 )
 from megatron_bfpp.schedule.builders import interleaved_warmup, megatron_schedule_table
+from megatron_bfpp.schedule.validate import _compute_only_lowering, simulate_nccl
 
 
 def test_action_text_round_trip():
-    for a in [Action(Op.F, 4, 0), Action(Op.SEND_B, 3, 11), Action(Op.GATHER, 2), Action(Op.REDUCE, 0)]:
-        assert Action.parse(a.text) == a
+    for a in [Action(Op.F, 4, 0), Action(Op.SEND_B, 3, 11), Action(Op.GATHER, 2), Action(Op.REDUCE, 0),
+              Action(Op.RECV_F, 1, 2, batch=7), Action(Op.SEND_F, 0, 1, batch=3, channel="activations")]:
+        back = Action.parse(a.text)
+        assert (back, back.batch, back.channel) == (a, a.batch, a.channel)
     with pytest.raises(ScheduleError):
         Action(Op.GATHER, 1, 3)
     with pytest.raises(ScheduleError):
@@ -32,6 +35,8 @@ def test_text_json_csv_round_trip(name, pp, vp, m, g, z):
     for back in (Schedule.from_text(s.to_text()), from_json(to_json(s)),
                  from_csv(to_csv(s), pp=pp, vp=vp, microbatches=m)):
         assert back.ranks == s.ranks
+        assert [[(a.batch, a.channel) for a in acts] for acts in back.ranks] == \
+            [[(a.batch, a.channel) for a in acts] for acts in s.ranks]
         assert (back.pp, back.vp, back.microbatches) == (pp, vp, m)
         validate(back)
 
@@ -226,3 +231,103 @@ def test_cli_json_contract_and_errors():
                           "--pp", "4", "--vp", "2", "--microbatches", "2"], capture_output=True, text=True)
     assert bad.returncode != 0
     assert len(bad.stderr.strip().splitlines()) == 1 and "micro-batches" in bad.stderr
+
+
+def _layouts(name: str, pp: int):
+    """(V, M, group size) for one builder at one P: M below, at and above P, several group sizes."""
+    vps = (1,) if name in ("gpipe", "1f1b") else (2, 3, 4) if pp < 8 else (2, 4)
+    for vp in vps:
+        for m in sorted({1, pp - 1, pp, 2 * pp + 1}):
+            if m < 1:
+                continue
+            groups = {None}
+            if name == "breadth-first":
+                groups |= {2, max(1, m // 2)}
+            elif name == "interleaved-1f1b":
+                groups |= {g for g in (pp + 1, m) if g >= pp and not 0 < m % g < pp}
+            for g in groups:
+                yield vp, m, g
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_every_layout_posts_an_nccl_safe_order(name, pp):
+    """Every builder x P x V x M (M < P too) x group size lowers to an order that completes under NCCL's
+    rendezvous semantics, per communicator and with one queue per rank, with and without ZeRO actions."""
+    checked = 0
+    for vp, m, g in _layouts(name, pp):
+        for zero in (None, 3):
+            for forward_only in (False, True):
+                try:  # make_schedule validates the lowered order under gloo and both NCCL models
+                    make_schedule(name, pp, vp, m, g, zero_stage=zero, forward_only=forward_only)
+                except ScheduleError as e:  # configurations the builder refuses (not orders it cannot post)
+                    assert "deadlock" not in str(e), (name, pp, vp, m, g, zero, forward_only, e)
+                    continue
+                checked += 1
+    assert checked > 0
+
+
+def _receives_preposted(s: Schedule) -> Schedule:
+    """The posting order of the earlier runtime: each compute's receives posted ahead of the compute before it."""
+    ranks = []
+    for acts in _compute_only_lowering(s).ranks:
+        out: list = []
+        for a in acts:
+            if a.op in (Op.RECV_F, Op.RECV_B):
+                prev = max((i for i, b in enumerate(out) if b.op in (Op.F, Op.B)), default=len(out))
+                out.insert(prev, a)
+            else:
+                out.append(a)
+        ranks.append(out)
+    return Schedule(s.name, s.pp, s.vp, s.microbatches, s.group_size, ranks, lowered=True)
+
+
+def test_earlier_posting_order_is_rejected_at_p2():
+    """Interleaved 1F1B at P = 2 with receives posted ahead of earlier sends: rank 0 posts
+    `SEND_F0:0 RECV_F2:0 SEND_F0:1`, rank 1 `RECV_F1:0 RECV_F1:1 SEND_F1:0`: a cycle on one communicator."""
+    old = _receives_preposted(build("interleaved-1f1b", 2, 2, 4))
+    simulate_order(old)  # gloo buffers sends: it completes there
+    with pytest.raises(ScheduleError, match=r"deadlock under NCCL semantics \(one queue per communicator\)") as e:
+        simulate_nccl(old)
+    msg = str(e.value)
+    assert "rank 0 step" in msg and "rank 1 step" in msg and "'activations'" in msg and "cycle" in msg
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(old)
+
+
+def test_sends_right_after_their_compute_deadlock_with_one_queue_per_rank():
+    """Breadth-first P = 4, V = 3, M = 16 with each send right after its compute: fine per communicator, but
+    with CUDA_DEVICE_MAX_CONNECTIONS=1 rank 0's stage-0 sends block the wrap-around receive from rank 3."""
+    naive = _compute_only_lowering(build("breadth-first", 4, 3, 16))
+    simulate_order(naive)
+    with pytest.raises(ScheduleError, match=r"one queue per rank.*cycle") as e:
+        simulate_nccl(naive, single_queue=True)
+    assert "rank 3" in str(e.value) and "rank 0" in str(e.value)
+    simulate_nccl(make_schedule("breadth-first", 4, 3, 16), single_queue=True)
+
+
+def test_batches_are_consecutive_on_one_communicator_in_json():
+    d = json.loads(to_json(make_schedule("interleaved-1f1b", 2, 2, 4, zero_stage=3)))
+    batched = 0
+    for acts in d["ranks"]:
+        positions: dict = {}
+        for i, a in enumerate(acts):
+            if a["op"] in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"):
+                assert "batch" in a
+                if a["batch"] is not None:
+                    positions.setdefault(a["batch"], []).append(i)
+            else:
+                assert "batch" not in a
+        for pos in positions.values():
+            assert pos == list(range(pos[0], pos[0] + len(pos))) and len(pos) >= 2
+            kinds = {acts[i]["op"][-1] for i in pos}
+            assert len(kinds) == 1  # one communicator: all activations (F) or all gradients (B)
+            batched += 1
+    assert batched > 0
+    # A batch split by another action is refused.
+    s = make_schedule("interleaved-1f1b", 2, 2, 4)
+    acts = s.ranks[0]
+    i = next(k for k, a in enumerate(acts) if a.batch is not None)
+    broken = acts[:i + 1] + [acts[i + 2], acts[i + 1]] + acts[i + 3:]
+    with pytest.raises(ScheduleError):
+        validate(Schedule(s.name, 2, 2, 4, s.group_size, [broken, s.ranks[1]], lowered=True))

@@ -3,7 +3,8 @@
 `validate` checks that every (stage, microbatch) has exactly one F and one B on the rank that owns the stage,
 that every local order respects the data dependencies, that sends match receives, and that the schedule
 completes under event simulations of the backends:
-- gloo: sends are buffered, a receive blocks; bounded weight buffers;
+- gloo: sends are buffered, receives are posted without blocking and the compute that consumes one waits
+  for its send; bounded weight buffers;
 - NCCL (`simulate_nccl`): a rank's p2p actions are posted in list order; per communicator they execute in
   posting order; a send completes only when its receive is active at the same time (rendezvous, the worst
   case for large messages); a batch is posted as one group; a p2p op starts after the computes posted before
@@ -53,24 +54,26 @@ def _deps(schedule: Schedule, a: Action) -> list[tuple[int, Action]]:
     last = schedule.num_stages - 1
     s, m, pp = a.stage, a.microbatch, schedule.pp
     local = pp == 1
+    # Receives are posted without blocking; the compute that consumes one waits for its send.
     if a.op == Op.F:
         if s == 0:
             return []
-        prev = Action(Op.F, s - 1, m) if local else Action(Op.RECV_F, s, m)
-        return [(schedule.rank_of(s), prev)]
+        if local:
+            return [(schedule.rank_of(s), Action(Op.F, s - 1, m))]
+        return [(schedule.rank_of(s), Action(Op.RECV_F, s, m)), (schedule.rank_of(s - 1), Action(Op.SEND_F, s - 1, m))]
     if a.op == Op.B:
         deps = [(schedule.rank_of(s), Action(Op.F, s, m))]
         if s < last:
-            deps.append((schedule.rank_of(s), Action(Op.B, s + 1, m) if local else Action(Op.RECV_B, s, m)))
+            if local:
+                deps.append((schedule.rank_of(s), Action(Op.B, s + 1, m)))
+            else:
+                deps += [(schedule.rank_of(s), Action(Op.RECV_B, s, m)),
+                         (schedule.rank_of(s + 1), Action(Op.SEND_B, s + 1, m))]
         return deps
     if a.op == Op.SEND_F:
         return [(schedule.rank_of(s), Action(Op.F, s, m))]
     if a.op == Op.SEND_B:
         return [(schedule.rank_of(s), Action(Op.B, s, m))]
-    if a.op == Op.RECV_F:
-        return [(schedule.rank_of(s - 1), Action(Op.SEND_F, s - 1, m))]
-    if a.op == Op.RECV_B:
-        return [(schedule.rank_of(s + 1), Action(Op.SEND_B, s + 1, m))]
     return []
 
 
