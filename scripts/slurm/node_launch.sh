@@ -16,6 +16,7 @@ fi
 ( trap '' USR1; exec "$@" ) &
 child=$!
 
+# shellcheck disable=SC2329  # invoked by the trap below
 forward_usr1() {
   echo "node_launch.sh: SIGUSR1 on $(hostname): forwarded to the ranks (checkpoint and exit)" >&2
   pkill -USR1 -P "$child" 2>/dev/null || true
