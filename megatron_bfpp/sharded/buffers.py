@@ -117,6 +117,111 @@ def _round_up(a: int, b: int) -> int:
     return _ceil_div(a, b) * b
 
 
+class LiveBufferCounter:
+    """Which owners (model chunks) hold a live full-size buffer of one kind, with high-water marks.
+
+    The unit is the owner, as in the schedule: a chunk whose parameters (or gradients) come in two dtypes
+    holds two flat buffers but takes one of the schedule's weight (or gradient) buffers. Buffers report
+    themselves here when their storage is allocated or freed, so the figures are read from the buffers,
+    not inferred from the schedule. `limit` is the bound the schedule promises (None: no bound).
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self._refs: dict[int, int] = {}  # id(owner) -> live buffers of that owner
+        self.live_bytes = 0
+        self.peak = 0  # owners, since the last reset_peak() (the start of a step)
+        self.peak_bytes = 0
+        self.max_peak = 0  # owners, since construction
+        self.max_peak_bytes = 0
+
+    @property
+    def live(self) -> int:
+        return len(self._refs)
+
+    def holds(self, owner: object) -> bool:
+        return id(owner) in self._refs
+
+    def acquire(self, owner: object, nbytes: int) -> None:
+        key = id(owner)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        self.live_bytes += nbytes
+        self.peak = max(self.peak, self.live)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.max_peak = max(self.max_peak, self.live)
+        self.max_peak_bytes = max(self.max_peak_bytes, self.live_bytes)
+
+    def release(self, owner: object, nbytes: int) -> None:
+        key = id(owner)
+        n = self._refs.get(key, 0) - 1
+        if n < 0:
+            raise RuntimeError("internal: a buffer was released that was never counted as live")
+        if n == 0:
+            del self._refs[key]
+        else:
+            self._refs[key] = n
+        self.live_bytes -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+        self.peak_bytes = self.live_bytes
+
+    def merge(self, other: "LiveBufferCounter") -> None:
+        """Take over `other`'s live buffers and high-water marks (linking the chunks of one rank)."""
+        for key, n in other._refs.items():
+            self._refs[key] = self._refs.get(key, 0) + n
+        self.live_bytes += other.live_bytes
+        self.peak = max(self.peak, other.peak, self.live)
+        self.peak_bytes = max(self.peak_bytes, other.peak_bytes, self.live_bytes)
+        self.max_peak = max(self.max_peak, other.max_peak, self.live)
+        self.max_peak_bytes = max(self.max_peak_bytes, other.max_peak_bytes, self.live_bytes)
+        if self.limit is None:
+            self.limit = other.limit
+        elif other.limit is not None:
+            self.limit = min(self.limit, other.limit)
+
+
+class _CountedFull:
+    """Mixin: the `full` buffer's allocations are reported to a LiveBufferCounter under an owner."""
+
+    full: torch.Tensor
+    counter: LiveBufferCounter | None = None
+    owner: object = None
+
+    def attach_counter(self, counter: LiveBufferCounter, owner: object) -> None:
+        """Count this buffer in `counter` from now on (moving it out of the previous counter if live)."""
+        if self.counter is counter and self.owner is owner:
+            return
+        live = storage_allocated(self.full)
+        if live and self.counter is not None:
+            self.counter.release(self.owner, self.full_bytes)
+        self.counter, self.owner = counter, owner
+        if live:
+            counter.acquire(owner, self.full_bytes)
+
+    def alloc_full(self, zero: bool = False) -> None:
+        """(Re-)allocate the full buffer's storage (contents undefined unless `zero`)."""
+        if storage_allocated(self.full):
+            if zero:
+                self.full.zero_()
+            return
+        alloc_storage(self.full, zero=zero)
+        if self.counter is not None:
+            self.counter.acquire(self.owner, self.full_bytes)
+
+    def free_full(self) -> None:
+        """Free the full buffer's storage; the views into it stay valid tensor objects."""
+        if not storage_allocated(self.full):
+            return
+        free_storage(self.full)
+        if self.counter is not None:
+            self.counter.release(self.owner, self.full_bytes)
+
+    @property
+    def full_bytes(self) -> int:
+        return self.full.numel() * self.full.element_size()
+
+
 def storage_allocated(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() > 0
 
@@ -138,7 +243,7 @@ def alloc_storage(t: torch.Tensor, zero: bool = False) -> None:
         t.zero_()
 
 
-class FlatParamBuffer:
+class FlatParamBuffer(_CountedFull):
     """The parameters of one chunk and dtype as views into one flat buffer, plus this rank's shard.
 
     - `full`: the whole padded buffer; parameters are views into it. Under ZeRO-3 its storage is freed
@@ -205,10 +310,6 @@ class FlatParamBuffer:
         return storage_allocated(self.full)
 
     @property
-    def full_bytes(self) -> int:
-        return self.full.numel() * self.full.element_size()
-
-    @property
     def shard_bytes(self) -> int:
         return self.shard.numel() * self.shard.element_size()
 
@@ -218,7 +319,7 @@ class FlatParamBuffer:
         return s[piece.shard_lo : piece.shard_hi]
 
 
-class FlatGradBuffer:
+class FlatGradBuffer(_CountedFull):
     """Gradients of one chunk and dtype: a full-size accumulation buffer and this rank's fp32 shard.
 
     Each parameter's `main_grad` is a view into `full` (Megatron's convention, so Megatron layers that
@@ -241,10 +342,6 @@ class FlatGradBuffer:
     @property
     def allocated(self) -> bool:
         return storage_allocated(self.full)
-
-    @property
-    def full_bytes(self) -> int:
-        return self.full.numel() * self.full.element_size()
 
     @property
     def shard_bytes(self) -> int:

@@ -12,6 +12,12 @@ on them; *when* those collectives run is decided by the schedule (GATHER / RELEA
   and launches its all-gather, `wait_params` waits for it, RELEASE frees the storage (the parameter tensors
   stay, as views of an empty storage, so autograd graphs that saved them stay valid).
 
+Bounded buffers: the chunks of a rank share a `BufferBudget` (linked by the driver or the optimizer). A full
+gradient buffer whose reduce-scatter is in flight is still live memory until that reduce is waited on, so
+before a new full gradient buffer is allocated the oldest in-flight reduces are waited on until at most
+`grad_buffers` chunks hold one (the schedule's REDUCE placement guarantees the un-reduced ones fit). Under
+NCCL that wait only orders the compute stream after the communication stream; the host does not block.
+
 Gradients reach the buffers Megatron-style: each parameter's `main_grad` is a view into the full gradient
 buffer and a post-accumulate-grad hook adds `param.grad` into it, so Megatron's `forward_step` /
 `backward_step` run unchanged on the wrapped chunk (layers that accumulate into `main_grad` themselves set
@@ -41,8 +47,7 @@ from .buffers import (
     DEFAULT_SHARD_ALIGN,
     FlatGradBuffer,
     FlatParamBuffer,
-    alloc_storage,
-    free_storage,
+    LiveBufferCounter,
 )
 from .comm import Pending, RankStats
 
@@ -103,6 +108,65 @@ def gathered_params(chunks, writeback: bool = False) -> Iterator[None]:
         yield
 
 
+class BufferBudget:
+    """The live full-size buffers of one rank's chunks, and the bounds the schedule sets on them.
+
+    `weights` counts chunks holding gathered parameters, `grads` chunks holding a full gradient buffer (both
+    read from the buffers as they allocate and free). `make_room_for_grads` keeps `grads` within its limit by
+    waiting on the oldest in-flight reduce-scatters, whose completion frees their buffers.
+    """
+
+    def __init__(self, weight_buffers: int | None = None, grad_buffers: int | None = None) -> None:
+        self.weights = LiveBufferCounter(weight_buffers)
+        self.grads = LiveBufferCounter(grad_buffers)
+        self._inflight: list[tuple["ShardedDataParallel", "_Bucket"]] = []  # oldest first
+
+    def set_limits(self, weight_buffers: int | None, grad_buffers: int | None) -> None:
+        self.weights.limit = weight_buffers
+        self.grads.limit = grad_buffers
+
+    def on_reduce_launched(self, chunk: "ShardedDataParallel", bucket: "_Bucket") -> None:
+        self._inflight.append((chunk, bucket))
+
+    def make_room_for_grads(self, chunk: "ShardedDataParallel") -> None:
+        """Before `chunk` allocates a full gradient buffer: wait on the oldest in-flight reduces until the
+        new buffer fits in the limit (no wait at all while it fits)."""
+        limit = self.grads.limit
+        if limit is None:
+            return
+        # The chunk's own live buffers do not take another slot.
+        while self._inflight and self.grads.live - int(self.grads.holds(chunk)) >= limit:
+            owner, bucket = self._inflight.pop(0)
+            owner._wait_reduces(bucket)
+
+    def forget(self, bucket: "_Bucket") -> None:
+        """`bucket`'s reduces were waited on elsewhere: drop it from the in-flight list."""
+        self._inflight = [(c, b) for c, b in self._inflight if b is not bucket]
+
+    def merge(self, other: "BufferBudget") -> None:
+        self.weights.merge(other.weights)
+        self.grads.merge(other.grads)
+        self._inflight += other._inflight
+
+    def reset_peaks(self) -> None:
+        self.weights.reset_peak()
+        self.grads.reset_peak()
+
+    def stats(self) -> dict[str, int | None]:
+        """High-water marks in chunks (this step and since construction) and the limits."""
+        return {
+            "live_weight_buffers": self.weights.live,
+            "peak_weight_buffers": self.weights.peak,
+            "max_weight_buffers": self.weights.max_peak,
+            "weight_buffers_limit": self.weights.limit,
+            "live_grad_buffers": self.grads.live,
+            "peak_grad_buffers": self.grads.peak,
+            "max_grad_buffers": self.grads.max_peak,
+            "grad_buffers_limit": self.grads.limit,
+            "peak_full_grad_bytes": self.grads.peak_bytes,
+        }
+
+
 class _Bucket:
     """Flat parameter + gradient buffer of one dtype of the chunk, and the collectives in flight on it."""
 
@@ -123,6 +187,9 @@ class ShardedDataParallel(DistributedDataParallel):
     Subclasses Megatron's `DistributedDataParallel` only so that Megatron's `isinstance` checks
     (`unwrap_model`, `train()` wiring the sync hooks) treat it as a DDP; none of the base class's buffers
     are built. `zero_stage` comes from the keyword, else from `ddp_config.zero_stage`, else 1.
+    `weight_buffers` / `grad_buffers` bound the rank's live gathered parameter buffers (ZeRO-3) and full
+    gradient buffers (ZeRO-2/3), in chunks; the runtime's driver sets them from the schedule too. None: the
+    gradient buffers are not bounded by waiting (Megatron's own schedules reduce everything at the end).
     """
 
     def __init__(
@@ -137,6 +204,8 @@ class ShardedDataParallel(DistributedDataParallel):
         zero_stage: int | None = None,
         shard_align: int = DEFAULT_SHARD_ALIGN,
         param_align: int = DEFAULT_PARAM_ALIGN,
+        weight_buffers: int | None = None,
+        grad_buffers: int | None = None,
     ) -> None:
         _BaseDataParallel.__init__(self, config=config, module=module)
         self.ddp_config = ddp_config
@@ -150,6 +219,11 @@ class ShardedDataParallel(DistributedDataParallel):
         self.dp_size = comm.group_size(self.dp_group)
         self.dp_rank = comm.group_rank(self.dp_group)
         self.stats = RankStats()
+        if self.zero_stage < 3:
+            weight_buffers = None  # parameters are resident: nothing to bound
+        if self.zero_stage < 2:
+            grad_buffers = None
+        self.budget = BufferBudget(weight_buffers, grad_buffers)
 
         # Attributes Megatron-LM reads on any DDP instance.
         self.force_all_reduce = False
@@ -208,6 +282,8 @@ class ShardedDataParallel(DistributedDataParallel):
             )
             grad_dtype = torch.float32 if grad_reduce_in_fp32 else dtype
             gbuf = FlatGradBuffer(pbuf, grad_dtype, resident=self.zero_stage == 1)
+            pbuf.attach_counter(self.budget.weights, self)
+            gbuf.attach_counter(self.budget.grads, self)
             bucket = _Bucket(pbuf, gbuf)
             self.flat_buffers.append(bucket)
             if pbuf.gathered:  # ZeRO-1/2: full parameters are resident for good
@@ -243,7 +319,8 @@ class ShardedDataParallel(DistributedDataParallel):
             return
         self._wait_reduces(b)  # its memory is still being read by a reduce-scatter
         if self.zero_stage >= 2:
-            alloc_storage(b.gbuf.full, zero=True)
+            self.budget.make_room_for_grads(self)
+            b.gbuf.alloc_full(zero=True)
         else:
             b.gbuf.full.zero_()  # ZeRO-1: the previous contents were already reduced into the shard
         b.grad_ready = True
@@ -264,7 +341,7 @@ class ShardedDataParallel(DistributedDataParallel):
             if b.pbuf.gathered and not b.params_stale:
                 continue
             if not b.pbuf.gathered:
-                alloc_storage(b.pbuf.full)
+                b.pbuf.alloc_full()
                 self.stats.on_gathered(b.pbuf.full_bytes)
             b.params_stale = False
             b.gather = comm.all_gather(b.pbuf.full, b.pbuf.shard, self.dp_group, self.stats)
@@ -289,7 +366,7 @@ class ShardedDataParallel(DistributedDataParallel):
                 b.gather.wait()
                 b.gather = None
             if b.pbuf.gathered:
-                free_storage(b.pbuf.full)
+                b.pbuf.free_full()
                 self.stats.on_released(b.pbuf.full_bytes)
 
     def start_grad_sync(self, *unused) -> None:
@@ -312,19 +389,25 @@ class ShardedDataParallel(DistributedDataParallel):
                 comm.reduce_scatter(out, g, self.dp_group, self.stats, average=self.average_in_collective,
                                     on_done=self._reduce_done(b, out, accumulate))
             )
+            if self.zero_stage >= 2:
+                self.budget.on_reduce_launched(self, b)
 
     def _reduce_done(self, b: _Bucket, out: torch.Tensor, accumulate: bool):
         def done() -> None:
             if accumulate:
                 b.gbuf.main_grad_shard.add_(out)
             if self.zero_stage >= 2:
-                free_storage(b.gbuf.full)
+                b.gbuf.free_full()
 
         return done
 
     def _wait_reduces(self, b: _Bucket) -> None:
+        if not b.reduces:
+            return
         while b.reduces:
             b.reduces.pop(0).wait()
+        if self.zero_stage >= 2:
+            self.budget.forget(b)
 
     def wait_all(self) -> None:
         """Wait for every collective in flight on this chunk (the end of a schedule run)."""
@@ -409,7 +492,7 @@ class ShardedDataParallel(DistributedDataParallel):
                 b.gbuf.full.zero_()
                 b.grad_ready = True
             else:
-                free_storage(b.gbuf.full)
+                b.gbuf.free_full()
                 b.grad_ready = False
             b.gbuf.main_grad_shard.zero_()
             b.main_grad_has_data = False
@@ -417,6 +500,7 @@ class ShardedDataParallel(DistributedDataParallel):
         for p in self.owned_replicated_params:
             p.main_grad.zero_()
         self.stats.reset()
+        self.budget.reset_peaks()
 
     def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False) -> None:
         """All-gather parameters whose shard changed (after the optimizer step); ZeRO-3: gather everything.
@@ -486,7 +570,7 @@ class ShardedDataParallel(DistributedDataParallel):
             if self.zero_stage == 3:
                 for b, keep in zip(self.flat_buffers, was):
                     if not keep and b.pbuf.gathered:
-                        free_storage(b.pbuf.full)
+                        b.pbuf.free_full()
                         self.stats.on_released(b.pbuf.full_bytes)
 
     def state_dict(self, prefix: str = "", keep_vars: bool = False, destination=None):

@@ -2,7 +2,8 @@
 
 The runtime calls it at the GATHER / RELEASE / REDUCE actions of the lowered schedule and before every
 F/B; the driver forwards each call to the chunk it names. It also makes the chunks share one `RankStats`,
-so the per-rank traffic and gathered-memory figures cover all chunks.
+so the per-rank traffic and gathered-memory figures cover all chunks, and one `BufferBudget`, so the bounds on
+full gradient and gathered weight buffers hold for the rank, not per chunk.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 from typing import Sequence
 
 from .comm import RankStats
-from .ddp import ShardedDataParallel
+from .ddp import BufferBudget, ShardedDataParallel
 
 
 def link_stats(chunks: Sequence[ShardedDataParallel]) -> RankStats:
-    """Make all chunks count into one RankStats (idempotent); returns it."""
+    """Make all chunks count into one RankStats and one BufferBudget (idempotent); returns the stats."""
     if not chunks:
         raise ValueError("no model chunks given")
+    link_budget(chunks)
     shared = chunks[0].stats
     for c in chunks[1:]:
         if c.stats is shared:
@@ -26,6 +28,19 @@ def link_stats(chunks: Sequence[ShardedDataParallel]) -> RankStats:
         for k, v in c.stats.comm_stats().items():
             setattr(shared, k, getattr(shared, k) + v)
         c.stats = shared
+    return shared
+
+
+def link_budget(chunks: Sequence[ShardedDataParallel]) -> BufferBudget:
+    """Make all chunks share one BufferBudget (idempotent); returns it."""
+    shared = chunks[0].budget
+    for c in chunks[1:]:
+        if c.budget is shared:
+            continue
+        shared.merge(c.budget)
+        c.budget = shared
+        for b in c.flat_buffers:
+            b.pbuf.counter, b.gbuf.counter = shared.weights, shared.grads  # live counts were merged above
     return shared
 
 
@@ -42,6 +57,13 @@ class ShardedDriver:
             raise ValueError(f"all model chunks must use the same --zero-stage (got {sorted(stages)})")
         self.zero_stage = stages.pop()
         self.stats = link_stats(self.chunks)
+        self.budget = link_budget(self.chunks)
+
+    def set_buffer_limits(self, weight_buffers: int | None, grad_buffers: int | None) -> None:
+        """The schedule's bounds on this rank's gathered weight buffers (ZeRO-3) and full gradient buffers
+        (ZeRO-2/3), in chunks; the runtime calls this with the lowered schedule's values."""
+        self.budget.set_limits(weight_buffers if self.zero_stage == 3 else None,
+                               grad_buffers if self.zero_stage >= 2 else None)
 
     def _chunk(self, chunk: int) -> ShardedDataParallel:
         try:
@@ -87,8 +109,12 @@ class ShardedDriver:
         return memory_stats(self.chunks, optimizer)
 
 
-def memory_stats(chunks: Sequence[ShardedDataParallel], optimizer=None) -> dict[str, int]:
-    """Per-rank memory figures over `chunks` (optimizer state included when `optimizer` is given)."""
+def memory_stats(chunks: Sequence[ShardedDataParallel], optimizer=None) -> dict[str, int | None]:
+    """Per-rank memory figures over `chunks` (optimizer state included when `optimizer` is given).
+
+    Also the live full-size buffers, in chunks, read from the buffers: `peak_*_buffers` over the last step,
+    `max_*_buffers` since the chunks were built (everything, including `full_params` for checkpoints), and
+    the limits they are kept within (None: unbounded, e.g. resident buffers of ZeRO-1/2)."""
     out = {"param_bytes": 0, "grad_bytes": 0, "optimizer_bytes": 0, "peak_gathered_param_bytes": 0}
     for c in chunks:
         for k, v in c.memory_stats().items():
@@ -96,4 +122,5 @@ def memory_stats(chunks: Sequence[ShardedDataParallel], optimizer=None) -> dict[
     if optimizer is not None:
         out["optimizer_bytes"] = optimizer.state_bytes()
     out["peak_gathered_param_bytes"] = link_stats(chunks).peak_gathered_param_bytes
+    out.update(chunks[0].budget.stats())
     return out
