@@ -102,7 +102,10 @@ class Trainer:
         config = get_model_config(chunks[0])  # the config the chunks share: the runtime reads hooks from it
 
         ddp_config = get_megatron_ddp_config(a)
-        wrapped = [ShardedDataParallel(config, ddp_config, c, zero_stage=a.zero_stage) for c in chunks]
+        # The schedule's buffer bounds, also held by the chunks so that they hold whoever drives them.
+        wrapped = [ShardedDataParallel(config, ddp_config, c, zero_stage=a.zero_stage,
+                                       weight_buffers=a.bfpp_weight_buffers or 2,
+                                       grad_buffers=a.bfpp_grad_buffers or 2) for c in chunks]
         config.finalize_model_grads_func = finalize_model_grads
         optimizer = ShardedOptimizer(wrapped, get_megatron_optimizer_config(a)[0])
         config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's setup_model_and_optimizer
@@ -180,18 +183,25 @@ class Trainer:
             self.scheduler.step(increment=self.args.global_batch_size)
         return self._global_batch_loss(store), update_successful, grad_norm
 
+    def _model_device(self) -> torch.device:
+        """Where the collectives' tensors live: the model's device (CUDA under NCCL, CPU under gloo)."""
+        return next(self.model[0].parameters()).device
+
     def _global_batch_loss(self, store: list[dict]) -> float:
-        """lm loss over the global batch (token-weighted, as Megatron's train_step reduces it), on every rank."""
-        total = torch.zeros(2, dtype=torch.float64)
+        """lm loss over the global batch (token-weighted, as Megatron's train_step reduces it), on every rank.
+
+        Summed on the model's device (the data- and pipeline-parallel groups are NCCL groups on GPU), read
+        back once."""
+        total = torch.zeros(2, dtype=torch.float64, device=self._model_device())
         for item in store:
-            total += item["lm loss"].detach().to("cpu", torch.float64)
+            total += item["lm loss"].detach().to(total.device, torch.float64)
         if self.is_last_stage and self.dp > 1:
             dist.all_reduce(total, group=self.ps.get_data_parallel_group())
         # Everyone in the pipeline learns the loss from the last stage.
         src = dist.get_process_group_ranks(self.ps.get_pipeline_model_parallel_group())[-1]
-        t = total.to(self.device) if self.device.type == "cuda" else total
-        dist.broadcast(t, src=src, group=self.ps.get_pipeline_model_parallel_group())
-        return float(t[0] / t[1]) if float(t[1]) > 0 else float("nan")
+        dist.broadcast(total, src=src, group=self.ps.get_pipeline_model_parallel_group())
+        loss_sum, tokens = total.tolist()
+        return loss_sum / tokens if tokens > 0 else float("nan")
 
     def run(self) -> dict:
         from .runtime import ActionRecorder, set_recorder
@@ -354,9 +364,10 @@ class Trainer:
         mem["peak_activation_bytes"] = last_run_stats().get("peak_activation_bytes", 0)
         if self.device.type == "cuda":
             mem["peak_bytes"] = torch.cuda.max_memory_allocated()
-        else:  # what the runtime holds: resident model state, gathered weights, saved activations
+        else:  # what the runtime holds: resident model state, gathered weights and gradients, saved activations
+            full_grads = mem["peak_full_grad_bytes"] if self.args.zero_stage >= 2 else 0  # ZeRO-1: in grad_bytes
             mem["peak_bytes"] = int(mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_bytes"]
-                                    + mem["peak_gathered_param_bytes"] + mem["peak_activation_bytes"])
+                                    + mem["peak_gathered_param_bytes"] + full_grads + mem["peak_activation_bytes"])
         return mem
 
     def _prediction(self) -> dict | None:
