@@ -15,8 +15,10 @@ except the dataset helpers' build step:
 - the CUDA RNG (`get_rng_state`, `set_rng_state`, `manual_seed`, `default_generators`, `_lazy_call`, used by
   Megatron's CudaRNGStatesTracker) is the CPU generator;
 - one `TorchFunctionMode` maps every `device="cuda"` / `device=<int>` argument, `Tensor.cuda()` and
-  `Tensor.to("cuda")` to the CPU, and reports a float tensor's `type()` with its CUDA name (clip_grads checks
-  `param.grad.type() == 'torch.cuda.FloatTensor'`);
+  `Tensor.to("cuda")` to the CPU, reports a float tensor's `type()` with its CUDA name (clip_grads checks
+  `param.grad.type() == 'torch.cuda.FloatTensor'`), and gives `Tensor.numpy()` a copy, as the host copy of a
+  CUDA tensor would be (numpy sharing a storage makes it non-resizable, which code that frees storage between
+  uses relies on);
 - CUDA streams and events are no-ops (`Stream`, `stream`, `current_stream`, `set_stream`, `Event`);
 - `torch.accelerator.is_available` is False (no pinned memory); `TORCHDYNAMO_DISABLE=1` (torch.compile'd
   helpers run eagerly);
@@ -59,6 +61,7 @@ if os.environ.get("BFPP_CPU_SHIM") == "1":
     _TENSOR_CUDA = torch.Tensor.cuda
     _TENSOR_TO = torch.Tensor.to
     _TENSOR_TYPE = torch.Tensor.type
+    _TENSOR_NUMPY = torch.Tensor.numpy
 
     class _CudaOnCPU(TorchFunctionMode):
         """device="cuda" / .cuda() / .to("cuda") allocate on the CPU; float tensors report CUDA type names."""
@@ -71,6 +74,8 @@ if os.environ.get("BFPP_CPU_SHIM") == "1":
                 kwargs = dict(kwargs, device=_CPU)
             if func is _TENSOR_TO and len(args) > 1 and _is_cuda(args[1]):
                 args = (args[0], _CPU, *args[2:])
+            if func is _TENSOR_NUMPY:  # a CUDA tensor reaches numpy through a host copy, never its own storage
+                return func(args[0].detach().clone(), *args[1:], **kwargs)
             if func is _TENSOR_TYPE and len(args) == 1 and not kwargs:
                 name = func(*args)
                 return name.replace("torch.", "torch.cuda.", 1) if name.startswith("torch.") else name
