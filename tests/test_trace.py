@@ -22,8 +22,8 @@ from megatron_bfpp.trace.report import load_report, render
 pytestmark = pytest.mark.timeout(60)
 
 
-def ev(rank, stream, name, op, stage, mb, start, end, it=0):
-    return TimelineEvent(rank, stream, name, op, stage, mb, start, end, it)
+def ev(rank, stream, name, op, stage, mb, start, end, it=0, peer=None):
+    return TimelineEvent(rank, stream, name, op, stage, mb, start, end, it, peer)
 
 
 def run_cli(argv):
@@ -112,33 +112,48 @@ def test_union_length():
 
 
 def test_metrics_hand_made():
+    """Each rank's window splits into compute, bubble, exposed p2p / dp, optimizer and other; a receive's wait
+    is bubble until its sender posted the send, exposed p2p after."""
     events = [
         ev(0, "compute", "F0:0", "F", 0, 0, 0.0, 1.0),
-        ev(0, "p2p", "wait RECV_B0:0", "WAIT", 0, 0, 1.0, 2.5),
+        ev(0, "p2p", "SEND_F0:0", "SEND_F", 0, 0, 1.0, 1.0),
+        ev(0, "p2p", "wait RECV_B0:0", "WAIT", 0, 0, 1.0, 2.5, peer=1),
         ev(0, "compute", "B0:0", "B", 0, 0, 2.5, 4.5),
         ev(0, "dp", "wait REDUCE0", "WAIT", 0, None, 4.5, 5.0),
         ev(0, "dp", "REDUCE0", "REDUCE", 0, None, 4.5, 5.0),
         ev(1, "dp", "wait GATHER1", "WAIT", 1, None, 0.0, 0.5),
-        ev(1, "p2p", "wait RECV_F1:0", "WAIT", 1, 0, 0.5, 1.0),
+        ev(1, "p2p", "wait RECV_F1:0", "WAIT", 1, 0, 0.5, 1.0, peer=0),
         ev(1, "compute", "F1:0", "F", 1, 0, 1.0, 1.5),
-        ev(1, "compute", "B1:0", "B", 1, 0, 1.5, 2.5),
-        ev(1, "p2p", "SEND_B1:0", "SEND_B", 1, 0, 2.5, 2.5),
+        ev(1, "compute", "B1:0", "B", 1, 0, 1.5, 2.2),
+        ev(1, "p2p", "SEND_B1:0", "SEND_B", 1, 0, 2.2, 2.3),
     ]
     m = iteration_metrics(events)
     assert m.iteration == 0 and m.consistent and m.step_time_s == 5.0
     r0, r1 = m.ranks
-    assert (r0.compute_s, r0.bubble, r0.exposed_p2p_wait_s, r0.exposed_dp_wait_s) == (3.0, 0.4, 1.5, 0.5)
-    assert (r1.compute_s, r1.bubble, r1.exposed_p2p_wait_s, r1.exposed_dp_wait_s) == (1.5, 0.7, 0.5, 0.5)
-    assert (r0.span_s, r1.span_s) == (5.0, 2.5)
-    assert m.bubble == pytest.approx(0.55)
+    parts = lambda r: tuple(round(x, 9) for x in (r.compute_s, r.bubble_s, r.exposed_p2p_wait_s,  # noqa: E731
+                                                   r.exposed_dp_wait_s, r.optimizer_s, r.other_s))
+    # rank 0 waits 1.2 s for rank 1 to produce the gradient (bubble), then 0.3 s for the transfer.
+    assert parts(r0) == (3.0, 1.2, 0.3, 0.5, 0.0, 0.0)
+    # rank 1: the activation was sent the moment its wait ended (all bubble); idle after its last event.
+    assert parts(r1) == (1.2, 0.5 + 2.7, 0.0, 0.5, 0.0, 0.1)
+    for r in m.ranks:
+        assert r.accounted_s == pytest.approx(r.step_time_s)
+        assert r.bubble == pytest.approx(r.bubble_s / r.step_time_s)
+    assert (r0.span_s, r1.span_s) == (5.0, 2.3)
+    assert m.bubble == pytest.approx((1.2 + 3.2) / 10)
+    # Without the sender's events, a receive's wait is exposed p2p.
+    alone = iteration_metrics([e for e in events if e.rank == 0])
+    assert alone.ranks[0].bubble_s == 0.0 and alone.ranks[0].exposed_p2p_wait_s == 1.5
     # A rank's own window (e.g. its measured step) replaces the global one.
     m1 = iteration_metrics(events, windows={1: (0.0, 2.5)})
-    assert m1.ranks[1].bubble == pytest.approx(1.0 / 2.5)
-    # Other work on the compute track (the simulator's optimizer step) is busy time, not bubble.
-    opt = iteration_metrics(events + [ev(1, "compute", "OPTIMIZER", "OPTIMIZER", None, None, 4.0, 5.0)])
-    assert opt.ranks[1].compute_s == 2.5 and opt.ranks[1].bubble == 0.5
+    assert m1.ranks[1].bubble == pytest.approx(0.7 / 2.5) and m1.ranks[1].accounted_s == pytest.approx(2.5)
+    # The optimizer step is its own part.
+    opt = iteration_metrics(events + [ev(1, "dp", "wait REDUCE", "WAIT", None, None, 2.3, 4.0),
+                                      ev(1, "compute", "OPTIMIZER", "OPTIMIZER", None, None, 4.0, 5.0)])
+    assert parts(opt.ranks[1]) == (1.2, 0.5, 0.0, 2.2, 1.0, 0.1)
     d = m.to_dict()
-    assert d["per_rank"][0]["bubble"] == 0.4 and d["consistent"] is True and d["exposed_p2p_wait_s"] == 1.0
+    assert d["per_rank"][0]["bubble"] == pytest.approx(0.24) and d["consistent"] is True
+    assert d["exposed_p2p_wait_s"] == pytest.approx(0.15)
 
 
 def test_overlap_detection():

@@ -28,6 +28,27 @@ class PipelineError(RuntimeError):
     """A distributed failure while executing a schedule; the message names the rank, step, action and peer."""
 
 
+class SavedBytesCounter:
+    """A saved-tensor pack hook counting the bytes autograd keeps for backward (parameters excluded)."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self._seen: set[int] = set()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_leaf and t.requires_grad:  # a parameter: not an activation
+            return t
+        if type(t) is not torch.Tensor:  # wrapper subclasses (e.g. FP8 tensors) have no plain storage to count
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self._seen:
+            self._seen.add(ptr)
+            self.nbytes += t.untyped_storage().nbytes()
+        # A new alias of the same storage, as autograd saves outputs: Megatron's pseudo-deallocation of a
+        # pipeline output (`out.data = ...`) must not reach the copy saved for backward.
+        return t.detach()
+
+
 class ScheduleExecutor:
     def __init__(
         self,
@@ -122,7 +143,7 @@ class ScheduleExecutor:
             raise self._fail(action, pending.peer, what, e) from e
         pending.work = None
         if self.recorder:
-            self.recorder.stop(t, action, wait=True)
+            self.recorder.stop(t, action, wait=True, peer=pending.peer if action.op in (Op.RECV_F, Op.RECV_B) else None)
 
     def _post(self, group: list[Action]) -> None:
         """Post one p2p action, or one batch of them, exactly as the schedule lists them."""
@@ -171,15 +192,20 @@ class ScheduleExecutor:
                 end = i + 1
                 while action.batch is not None and end < len(self.actions) and self.actions[end].batch == action.batch:
                     end += 1
+                t = self.recorder.start() if self.recorder else None
                 self._post(self.actions[i:end])
+                for posted in self.actions[i:end] if self.recorder else ():
+                    self.recorder.stop(t, posted)  # the posting itself (host time), on the p2p track
                 i = end
                 continue
             if action.op in (Op.F, Op.B):
                 self._reap_sends()
-            t = self.recorder.start() if self.recorder else None
-            getattr(self, "_do_" + action.op.value)(action)
-            if self.recorder:
-                self.recorder.stop(t, action)
+                getattr(self, "_do_" + action.op.value)(action)  # records its waits and its compute apart
+            else:
+                t = self.recorder.start() if self.recorder else None
+                getattr(self, "_do_" + action.op.value)(action)
+                if self.recorder:
+                    self.recorder.stop(t, action)
             i += 1
         self.step = len(self.actions)
         self._reap_sends(block=True)
@@ -194,10 +220,24 @@ class ScheduleExecutor:
             )
         return self.forward_data_store
 
+    def _wait_params(self, stage: int) -> None:
+        """The stage's parameter all-gather must be complete: a data-parallel wait, recorded as one."""
+        t = self.recorder.start() if self.recorder else None
+        self.driver.wait_params(self.schedule.chunk_of(stage))
+        if self.recorder:
+            self.recorder.stop(t, Action(Op.GATHER, stage), wait=True)
+
+    def _grad_buffer(self, stage: int) -> None:
+        """The stage's gradient buffer must exist (it may wait for an earlier reduce): a data-parallel wait."""
+        t = self.recorder.start() if self.recorder else None
+        self.driver.before_backward(self.schedule.chunk_of(stage))
+        if self.recorder:
+            self.recorder.stop(t, Action(Op.REDUCE, stage), wait=True)
+
     def _do_F(self, a: Action) -> None:
         s, m = a.stage, a.microbatch
         chunk = self.schedule.chunk_of(s)
-        self.driver.wait_params(chunk)
+        self._wait_params(s)
         if s == 0:
             input_tensor = None
         elif self.schedule.pp == 1:
@@ -208,32 +248,20 @@ class ScheduleExecutor:
             self._wait(pending, recv, "receive activation")
             input_tensor = pending.tensor.requires_grad_(not self.forward_only)
         is_first = check_first_val_step(self.first_val_step, self.forward_only, m == 0)
-        seen: set[int] = set()
-        counted = [0]
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.is_leaf and t.requires_grad:  # a parameter: not an activation
-                return t
-            if type(t) is not torch.Tensor:  # wrapper subclasses (e.g. FP8 tensors) have no plain storage
-                return t
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                counted[0] += t.untyped_storage().nbytes()
-            # A new alias of the same storage, as autograd saves outputs: Megatron's pseudo-deallocation of a
-            # pipeline output (`out.data = ...`) must not reach the copy saved for backward.
-            return t.detach()
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        counter = SavedBytesCounter()
+        t = self.recorder.start() if self.recorder else None
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
             output, num_tokens = forward_step(
                 self.forward_step_func, self.data_iterators[chunk], self.model[chunk], self.schedule.microbatches,
                 input_tensor, self.forward_data_store, self.config, self.cp_group_size, self.collect_non_loss_data,
                 None, is_first,
                 current_microbatch=m, vp_stage=chunk, is_last_stage=(s == self.last_stage),
             )
+        if self.recorder:
+            self.recorder.stop(t, a)
         if not self.forward_only:
-            self.saved_bytes[(s, m)] = counted[0]
-            self.activation_bytes += counted[0]
+            self.saved_bytes[(s, m)] = counter.nbytes
+            self.activation_bytes += counter.nbytes
             self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
         self.total_num_tokens += num_tokens
         if s < self.last_stage and (self.forward_only or self.schedule.pp == 1):
@@ -248,9 +276,8 @@ class ScheduleExecutor:
 
     def _do_B(self, a: Action) -> None:
         s, m = a.stage, a.microbatch
-        chunk = self.schedule.chunk_of(s)
-        self.driver.wait_params(chunk)
-        self.driver.before_backward(chunk)
+        self._wait_params(s)
+        self._grad_buffer(s)
         send = Action(Op.SEND_F, s, m)
         if send in self.sends:  # our output must be sent (and freed) before its backward
             self._wait(self.sends.pop(send), send, "send")
@@ -266,7 +293,10 @@ class ScheduleExecutor:
             output_grad = pending.tensor
         input_tensor = self.inputs.pop((s, m))
         output = self.outputs.pop((s, m))
+        t = self.recorder.start() if self.recorder else None
         input_grad = backward_step(input_tensor, output, output_grad, self.config)
+        if self.recorder:
+            self.recorder.stop(t, a)
         self.activation_bytes -= self.saved_bytes.pop((s, m), 0)
         if s > 0:
             self.input_grads[(s, m)] = input_grad

@@ -24,7 +24,7 @@ class ActionRecorder:
         self.enabled = False
         self.iteration = 0
         self.events: list[TimelineEvent] = []
-        self._pending: list[tuple[object, object, str, str, str, int | None, int | None, int]] = []
+        self._pending: list[tuple[object, object, str, str, str, int | None, int | None, int, int | None]] = []
         self._origin_wall = 0.0
         self._origin_cuda = None
 
@@ -42,14 +42,17 @@ class ActionRecorder:
     def start(self):
         return self._now() if self.enabled else None
 
-    def stop(self, started, action: Action, stream: Stream | None = None, wait: bool = False) -> None:
+    def stop(self, started, action: Action, stream: Stream | None = None, wait: bool = False,
+             peer: int | None = None) -> None:
+        """End the interval begun by `start()`: the action itself, or with `wait` a blocking wait for it (a
+        receive's wait names the sending rank as `peer`)."""
         if not self.enabled or started is None:
             return
         end = self._now()
         op = "WAIT" if wait else action.op.value
-        name = f"wait {action.text}" if wait else action.text
+        name = f"wait {action.key}" if wait else action.key
         self._pending.append((started, end, stream or stream_of(action.op), name, op, action.stage,
-                              action.microbatch, self.iteration))
+                              action.microbatch, self.iteration, peer))
 
     def flush(self) -> None:
         """Resolve pending intervals into events (synchronises the GPU when CUDA events were used)."""
@@ -57,11 +60,11 @@ class ActionRecorder:
             return
         if self.use_cuda:
             torch.cuda.synchronize()
-        for start, end, stream, name, op, stage, mb, it in self._pending:
+        for start, end, stream, name, op, stage, mb, it, peer in self._pending:
             if self.use_cuda:
                 s = self._origin_wall + self._origin_cuda.elapsed_time(start) / 1e3  # type: ignore[union-attr]
                 e = self._origin_wall + self._origin_cuda.elapsed_time(end) / 1e3  # type: ignore[union-attr]
             else:
                 s, e = float(start), float(end)  # type: ignore[arg-type]
-            self.events.append(TimelineEvent(self.rank, stream, name, op, stage, mb, s, e, it))  # type: ignore[arg-type]
+            self.events.append(TimelineEvent(self.rank, stream, name, op, stage, mb, s, e, it, peer))  # type: ignore[arg-type]
         self._pending.clear()

@@ -123,8 +123,9 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
     sent: dict[tuple[int, int, int], tuple[float, float, float]] = {}
     compute_end: dict[tuple[int, int, int], float] = {}  # (0=F/1=B, stage, mb) -> end
 
-    def ev(r: int, stream: str, name: str, op: str, stage: int | None, mb: int | None, t0: float, t1: float):
-        events.append(TimelineEvent(r, stream, name, op, stage, mb, t0, t1, iteration))  # type: ignore[arg-type]
+    def ev(r: int, stream: str, name: str, op: str, stage: int | None, mb: int | None, t0: float, t1: float,
+           peer: int | None = None):
+        events.append(TimelineEvent(r, stream, name, op, stage, mb, t0, t1, iteration, peer))  # type: ignore[arg-type]
 
     def stall(st: _Rank, until: float, cat: int, stream: str, name: str, stage: int | None, mb: int | None):
         """Hold the compute stream until `until`, charging the idle time to `cat`."""
@@ -218,8 +219,9 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                         cut = min(max(split, st.compute_free), why_t)
                         st.acct[_BUBBLE] += cut - st.compute_free
                         st.acct[_PP] += why_t - cut
-                        if rec:
-                            ev(st.r, "p2p", f"wait {wname}", "WAIT", s, m, st.compute_free, why_t)
+                        if rec:  # the sender is named: metrics split the wait into bubble and transfer
+                            ev(st.r, "p2p", f"wait {wname}", "WAIT", s, m, st.compute_free, why_t,
+                               peer=sched.rank_of(s - 1 if is_f else s + 1))
                         st.compute_free = why_t
                     else:
                         stall(st, why_t, _DP, "dp", wname, s, m)
@@ -245,16 +247,16 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                 st.lane_free[kind] = t1
                 sent[(kind, s, m)] = (t0, t1, produced)
                 if rec:
-                    ev(st.r, "p2p", a.text, op.value, s, m, t0, t1)
+                    ev(st.r, "p2p", a.key, op.value, s, m, t0, t1)
                 if not p2p_on:
-                    stall(st, t1, _PP, "p2p", a.text, s, m)
+                    stall(st, t1, _PP, "p2p", a.key, s, m)
             elif op is Op.RECV_F or op is Op.RECV_B:
                 key = (0, s - 1, m) if op is Op.RECV_F else (1, s + 1, m)
                 x = sent.get(key)
                 if x is None:
                     return progressed  # the producing rank has not reached its send yet
                 if rec:
-                    ev(st.r, "p2p", a.text, op.value, s, m, x[0], x[1])
+                    ev(st.r, "p2p", a.key, op.value, s, m, x[0], x[1])
             elif op is Op.GATHER:
                 d = costs.gather[s]
                 st.wbuf_free.sort()
@@ -318,8 +320,10 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
         st.acct[_BUBBLE] += pipeline_end - ce
         st.acct[_DP] += sync_point - pipeline_end + post_sync
         if rec:
-            if sync_point > ce:
-                ev(st.r, "dp", "wait REDUCE", "WAIT", None, None, ce, sync_point)
+            if pipeline_end > ce:
+                ev(st.r, "compute", "idle", "IDLE", None, None, ce, pipeline_end)
+            if sync_point > max(ce, pipeline_end):
+                ev(st.r, "dp", "wait REDUCE", "WAIT", None, None, max(ce, pipeline_end), sync_point)
             if opt > 0:
                 ev(st.r, "compute", "OPTIMIZER", "OPTIMIZER", None, None, sync_point,
                    sync_point + costs.optimizer[st.r])

@@ -110,6 +110,8 @@ def _draw_panel(ax, panel: Panel, normalize: bool, axes_px: float, dpi: float, f
     min_w = 0.003 * span  # zero-length actions (free communication, GATHER launches) stay visible
 
     for e in evs:
+        if e.op == "IDLE":  # idle time is drawn as what it is: nothing
+            continue
         y = y_of[(e.rank, e.stream)]
         left = (e.start - t0) * scale
         width = max(e.end - e.start, min_w) * scale

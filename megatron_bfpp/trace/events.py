@@ -26,6 +26,7 @@ class TimelineEvent:
     start: float  # seconds, from a common origin within one timeline
     end: float
     iteration: int = 0
+    peer: int | None = None  # receive waits: the sending rank (global), to split bubble from exposed p2p
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -44,5 +45,5 @@ def stream_of(op: Op) -> Stream:
 
 
 def event_for(action: Action, rank: int, start: float, end: float, iteration: int = 0) -> TimelineEvent:
-    return TimelineEvent(rank, stream_of(action.op), action.text, action.op.value, action.stage,
+    return TimelineEvent(rank, stream_of(action.op), action.key, action.op.value, action.stage,
                          action.microbatch, start, end, iteration)

@@ -1,15 +1,24 @@
 """Measurements from a timeline: step time, bubble, exposed communication, and consistency checks.
 
-Definitions (per rank, one iteration):
-- step time: the iteration's window, by default from the first event start to the last event end over all
-  ranks (ranks meet at the optimizer step, so the iteration costs every rank the same wall time); the caller
-  may pass each rank's own window instead;
-- compute time: length of the union of the compute track's work inside the window (F and B, and whatever
-  else a recorder puts there, e.g. the simulator's OPTIMIZER step; WAIT events excluded);
-- bubble fraction: (step time - compute time) / step time, i.e. idle compute over step time;
-- exposed data-parallel / p2p wait: sum of the durations of WAIT events on the "dp" / "p2p" stream (a
-  blocking wait is time the rank could not hide the communication behind compute).
-Summaries over ranks are means (bubble, waits) and the maximum (step time).
+Per rank and iteration, the window (by default from the first event start to the last event end over all
+ranks: ranks meet at the optimizer step, so the iteration costs every rank the same wall time; the caller may
+pass each rank's own window instead) is split into disjoint parts, so that
+
+    compute + bubble + exposed p2p + exposed dp + optimizer + other = step time
+
+(the simulator's accounting). Each instant of the window goes to the first that applies:
+- compute: a compute event (F, B; only the computation: the runtime records its waits apart);
+- optimizer: an OPTIMIZER event;
+- exposed dp: a WAIT on the "dp" stream (parameter all-gather, gradient buffer, final reduce);
+- bubble / exposed p2p: a WAIT on the "p2p" stream. A receive's wait names the sending rank; the part before
+  that rank posted the matching send is bubble (the input did not exist yet), the rest exposed p2p (the
+  transfer itself). Waits whose sender is not in the timeline count as exposed p2p;
+- bubble: an IDLE event (a recorder's explicit idle time, e.g. the simulator's pipeline drain);
+- other: any other recorded event (posting p2p ops, issuing collectives) and unrecorded gaps between this
+  rank's events (host overhead);
+- bubble: the unrecorded time before this rank's first and after its last event (idle at the edges).
+Summaries over ranks are means (bubble, waits) and the maximum (step time). `bubble` is a fraction of the
+step time; `*_s` fields are seconds.
 """
 
 from __future__ import annotations
@@ -29,13 +38,22 @@ class RankMetrics:
     rank: int
     step_time_s: float
     compute_s: float
-    bubble: float
+    bubble: float  # bubble_s / step_time_s
     exposed_dp_wait_s: float
     exposed_p2p_wait_s: float
     span_s: float  # this rank's own first start .. last end
+    bubble_s: float = 0.0
+    optimizer_s: float = 0.0
+    other_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def accounted_s(self) -> float:
+        """compute + bubble + exposed p2p + exposed dp + optimizer + other: the step time."""
+        return (self.compute_s + self.bubble_s + self.exposed_p2p_wait_s + self.exposed_dp_wait_s
+                + self.optimizer_s + self.other_s)
 
 
 @dataclass
@@ -132,15 +150,84 @@ def compute_overlaps(events: Iterable[TimelineEvent], tol: float = 1e-9) -> list
     return problems
 
 
+# Parts of a rank's window, in the order an instant is given to them.
+_PARTS = ("compute", "optimizer", "dp", "p2p", "bubble", "other")
+
+
+def _sender_post_times(evs: list[TimelineEvent]) -> dict[tuple[int, str], float]:
+    """(rank, send name) -> when that rank posted the send."""
+    return {(e.rank, e.name): e.start for e in evs if e.op in ("SEND_F", "SEND_B")}
+
+
+def _matching_send(e: TimelineEvent) -> str | None:
+    """Name of the send a receive wait waits for: `wait RECV_F4:0` <- `SEND_F3:0`, `wait RECV_B4:0` <- `SEND_B5:0`."""
+    if e.stage is None or e.microbatch is None:
+        return None
+    if e.name.startswith("wait RECV_F"):
+        return f"SEND_F{e.stage - 1}:{e.microbatch}"
+    if e.name.startswith("wait RECV_B"):
+        return f"SEND_B{e.stage + 1}:{e.microbatch}"
+    return None
+
+
+def _parts(rev: list[TimelineEvent], w0: float, w1: float, posted: dict[tuple[int, str], float]) -> dict[str, float]:
+    """Split [w0, w1] into the disjoint parts of the module docstring."""
+    intervals: list[tuple[float, float, str]] = []
+    for e in rev:
+        if e.op == "OPTIMIZER":
+            intervals.append((e.start, e.end, "optimizer"))
+        elif e.op == "IDLE":
+            intervals.append((e.start, e.end, "bubble"))
+        elif e.op == "WAIT" and e.stream == "dp":
+            intervals.append((e.start, e.end, "dp"))
+        elif e.op == "WAIT" and e.stream == "p2p":
+            send = _matching_send(e)
+            tp = posted.get((e.peer, send)) if e.peer is not None and send is not None else None
+            if tp is not None and tp > e.start:
+                intervals.append((e.start, min(tp, e.end), "bubble"))
+                if tp < e.end:
+                    intervals.append((tp, e.end, "p2p"))
+            else:
+                intervals.append((e.start, e.end, "p2p"))
+        elif e.stream == "compute" and e.op not in ("WAIT", "IDLE"):
+            intervals.append((e.start, e.end, "compute"))
+        else:
+            intervals.append((e.start, e.end, "other"))
+    first, last = min(e.start for e in rev), max(e.end for e in rev)
+    bounds = sorted({w0, w1, max(w0, min(first, w1)), min(w1, max(last, w0))}
+                    | {min(max(x, w0), w1) for s, e, _ in intervals for x in (s, e)})
+    # Sweep the elementary segments; an interval covers [start, end).
+    starts = sorted(((max(s, w0), _PARTS.index(p)) for s, e, p in intervals if e > s), key=lambda t: t[0])
+    ends = sorted(((min(e, w1), _PARTS.index(p)) for s, e, p in intervals if e > s), key=lambda t: t[0])
+    active = [0] * len(_PARTS)
+    totals = dict.fromkeys(_PARTS, 0.0)
+    i = j = 0
+    for a, b in zip(bounds, bounds[1:]):
+        while i < len(starts) and starts[i][0] <= a:
+            active[starts[i][1]] += 1
+            i += 1
+        while j < len(ends) and ends[j][0] <= a:
+            active[ends[j][1]] -= 1
+            j += 1
+        k = next((k for k, n in enumerate(active) if n > 0), None)
+        if k is not None:
+            part = _PARTS[k]
+        else:
+            part = "other" if first <= a and b <= last else "bubble"
+        totals[part] += b - a
+    return totals
+
+
 def iteration_metrics(
     events: Iterable[TimelineEvent],
     iteration: int | None = None,
     windows: Mapping[int, tuple[float, float]] | None = None,
 ) -> IterationMetrics:
-    """Per-rank step time, bubble and exposed waits of one iteration (see the module docstring)."""
+    """Per-rank step time and its parts, of one iteration (see the module docstring)."""
     iteration, evs = select_iteration(events, iteration)
     lo = min(e.start for e in evs)
     hi = max(e.end for e in evs)
+    posted = _sender_post_times(evs)
     per_rank: dict[int, list[TimelineEvent]] = defaultdict(list)
     for e in evs:
         per_rank[e.rank].append(e)
@@ -149,15 +236,13 @@ def iteration_metrics(
         rev = per_rank[rank]
         w0, w1 = (windows or {}).get(rank, (lo, hi))
         step = w1 - w0
-        busy = union_length(
-            (max(e.start, w0), min(e.end, w1)) for e in rev
-            if e.stream == "compute" and e.op != "WAIT" and e.end > w0 and e.start < w1
-        )
-        waits = {s: sum(e.end - e.start for e in rev if e.op == "WAIT" and e.stream == s) for s in ("dp", "p2p")}
+        parts = _parts(rev, w0, w1, posted)
         ranks.append(RankMetrics(
-            rank=rank, step_time_s=step, compute_s=busy, bubble=(step - busy) / step if step > 0 else 0.0,
-            exposed_dp_wait_s=waits["dp"], exposed_p2p_wait_s=waits["p2p"],
+            rank=rank, step_time_s=step, compute_s=parts["compute"],
+            bubble=parts["bubble"] / step if step > 0 else 0.0,
+            exposed_dp_wait_s=parts["dp"], exposed_p2p_wait_s=parts["p2p"],
             span_s=max(e.end for e in rev) - min(e.start for e in rev),
+            bubble_s=parts["bubble"], optimizer_s=parts["optimizer"], other_s=parts["other"],
         ))
     return IterationMetrics(iteration, max(r.step_time_s for r in ranks), ranks, compute_overlaps(evs))
 
