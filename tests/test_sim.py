@@ -362,8 +362,13 @@ def test_cli_simulate_json():
               "peak_memory_gib", "fits"):
         assert k in d
     assert d["config"]["virtual_pipeline_model_parallel_size"] == 2 and d["config"]["recompute"] is True
+    # Turning overlap off (same configuration, no recomputation on either side) exposes the communication that
+    # the schedule hid: the data-parallel and p2p waits grow and the step gets slower.
+    on = json.loads(_bfpp(*SIM, "--json").stdout)
     off = json.loads(_bfpp(*SIM, "--json", "--dp-overlap", "off", "--p2p-overlap", "off").stdout)
-    assert off["step_time_s"] > d["step_time_s"] * 0 and off["config"]["dp_overlap"] is False
+    assert off["config"]["dp_overlap"] is False and on["config"]["dp_overlap"] is True
+    assert off["exposed_dp_s"] > on["exposed_dp_s"] and off["exposed_pp_s"] > on["exposed_pp_s"]
+    assert off["step_time_s"] > on["step_time_s"] * 1.05
 
 
 def test_cli_plan_json():
