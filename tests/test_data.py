@@ -32,6 +32,7 @@ t2m = _script()
 def one_process_world():
     parallel.init_single_process()
     yield
+    parallel.destroy_parallel()  # later modules expect no process group in this process
 
 
 @pytest.fixture(scope="module")
