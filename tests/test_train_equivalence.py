@@ -1,8 +1,10 @@
 """The trainer (runtime + sharded data parallelism + sharded Adam) equals a single-process run.
 
-D = 2, P = 2, V = 2: for ZeRO 1, 2 and 3 under breadth-first and interleaved-1f1b, the losses of 3 Adam steps
-(with Megatron's default global-norm clipping) and the final parameters equal the single-process reference on the
-same global batches (fp32). The breadth-first ZeRO-3 run also records a timeline, checked against its schedule.
+D = 2, P = 2: for ZeRO 1, 2 and 3 under breadth-first and interleaved-1f1b (V = 2), and ZeRO 2 and 3 under gpipe
+and 1f1b (V = 1), the losses of 3 Adam steps, the global gradient norm the trainer reports at each step and the
+final parameters equal the single-process reference on the same global batches (fp32). Global-norm clipping
+(--clip-grad CLIP) engages: the reference's gradient norm exceeds CLIP in at least one step, so the clipped update
+is what is compared. The breadth-first ZeRO-3 run also records a timeline, checked against its schedule.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ from tests.distributed import run_distributed
 BASE = ("--num-layers 4 --hidden-size 16 --num-attention-heads 2 --seq-length 16 --max-position-embeddings 16 "
         "--micro-batch-size 1 --global-batch-size 8 --train-iters 3 --lr 1e-2 --lr-decay-style constant "
         "--weight-decay 0 --hidden-dropout 0 --attention-dropout 0 --seed 11 --vocab-size 128 --mock-data "
-        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --log-interval 100").split()
-RUNS = [("breadth-first", z) for z in (1, 2, 3)] + [("interleaved-1f1b", z) for z in (1, 2, 3)]
+        "--pipeline-model-parallel-size 2 --log-interval 100").split()
+CLIP = 0.6  # below the reference's gradient norm in at least one of the 3 steps (asserted)
+BASE += ["--clip-grad", str(CLIP)]
+LOOPED = ["--num-layers-per-virtual-pipeline-stage", "1"]  # V = 2
+RUNS = ([("breadth-first", z) for z in (1, 2, 3)] + [("interleaved-1f1b", z) for z in (1, 2, 3)]
+        + [("gpipe", z) for z in (2, 3)] + [("1f1b", z) for z in (2, 3)])
 
 
 def _trainer_worker(rank: int, world: int, runs, out_dir: str) -> list:
@@ -33,16 +39,28 @@ def _trainer_worker(rank: int, world: int, runs, out_dir: str) -> list:
     results = []
     for schedule, zero in runs:
         extra = ["--pipeline-schedule", schedule, "--zero-stage", str(zero)]
+        if schedule in ("breadth-first", "interleaved-1f1b"):
+            extra += LOOPED
         if (schedule, zero) == ("breadth-first", 3):
             extra += ["--timeline", os.path.join(out_dir, "bf_z3_trace.json"), "--report-json",
                       os.path.join(out_dir, "bf_z3_report.json")]
         args = parse_trainer_args(BASE + extra, world_size=world)
         trainer = Trainer(args)
+        assert trainer.vp == (2 if schedule in ("breadth-first", "interleaved-1f1b") else 1)
+        grad_norms = []
+        train_step = trainer.train_step
+
+        def recording_train_step():  # the grad norm the trainer logs, per iteration
+            loss, ok, grad_norm = train_step()
+            grad_norms.append(grad_norm)
+            return loss, ok, grad_norm
+
+        trainer.train_step = recording_train_step
         report = trainer.run()
         with _all_full(trainer.model):
             params = {n: p.detach().clone() for n, p in
                       global_named_parameters(trainer.model, trainer.pp_rank, trainer.pp).items()}
-        results.append({"losses": trainer.losses, "params": params, "report": report,
+        results.append({"losses": trainer.losses, "grad_norms": grad_norms, "params": params, "report": report,
                         "pp_rank": trainer.pp_rank, "rank": rank})
         from megatron_bfpp import parallel
 
@@ -76,8 +94,11 @@ def _reference_worker(rank: int, world: int) -> dict:
     config = make_transformer_config(num_layers=4, hidden_size=16, num_attention_heads=2, hidden_dropout=0.0,
                                      attention_dropout=0.0)
     run = run_reference(config, iterations, vocab_size=128, max_sequence_length=16, seed=11, optimizer="adamw",
-                        lr=1e-2, weight_decay=0.0, clip_grad=1.0, keep_grads=False)
-    return {"losses": run.losses, "params": run.params}
+                        lr=1e-2, weight_decay=0.0, clip_grad=CLIP, keep_grads=True)
+    # The global norm of each step's gradient (taken before clipping), as torch.nn.utils.clip_grad_norm_ sees it.
+    norms = [float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in s.grads.values()])))
+             for s in run.steps]
+    return {"losses": run.losses, "grad_norms": norms, "params": run.params}
 
 
 def _assert_params_close(value: torch.Tensor, expected: torch.Tensor, name: str, where: str) -> None:
@@ -97,6 +118,7 @@ def _assert_params_close(value: torch.Tensor, expected: torch.Tensor, name: str,
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
     ref = run_distributed(_reference_worker, 1)[0]
+    assert any(n > CLIP for n in ref["grad_norms"]), f"clipping never engages: norms {ref['grad_norms']}"
     per_rank = run_distributed(_trainer_worker, 4, RUNS, str(out), timeout=600)
     return ref, per_rank, out
 
@@ -108,6 +130,7 @@ def test_trainer_matches_single_process(runs, index):
     for r in range(4):
         got = per_rank[r][index]
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), RUNS[index]
+        assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5), (RUNS[index], ref["grad_norms"])
         for name, value in got["params"].items():
             _assert_params_close(value, ref["params"][name], name, f"{RUNS[index]} rank {r} {name}")
     covered = set().union(*(per_rank[r][index]["params"] for r in range(4)))
