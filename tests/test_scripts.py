@@ -357,84 +357,165 @@ def test_patch_series_are_format_patch_files(tag: str) -> None:
 sys.path.insert(0, str(ROOT / "scripts"))
 import ab_megatron  # noqa: E402
 
+AB = [sys.executable, str(ROOT / "scripts" / "ab_megatron.py")]
 
-def _ab_dry_run(*extra: str) -> dict[str, list[str]]:
-    r = _run([sys.executable, str(ROOT / "scripts" / "ab_megatron.py"), "--megatron-lm-dir", "/opt/mlm", "--dry-run",
-              *extra])
-    assert r.returncode == 0, r.stderr
+
+def _ab_dry_run(*extra: str, mlm: str = "/opt/mlm") -> tuple[list[str], dict[str, list[str]]]:
+    r = _run([*AB, "--megatron-lm-dir", mlm, "--dry-run", *extra])
+    assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.strip().splitlines()
-    out = {}
-    for head, cmd in zip(lines[::2], lines[1::2]):
-        assert head.startswith("# ")
-        out[head[2:].split(":")[0]] = shlex.split(cmd)
-    return out
+    cmds = {}
+    for head, cmd in zip(lines, lines[1:]):
+        if head.startswith("# ") and ": log -> " in head:
+            cmds[head[2:].split(":")[0]] = shlex.split(cmd)
+    return lines, cmds
 
 
-def test_ab_dry_run_same_model_and_batch() -> None:
-    cmds = _ab_dry_run("--model", "13b", "--gpus-per-node", "8", "--nnodes", "8", "--launcher", "srun")
-    stock, plugin = cmds["stock"], cmds["plugin"]
-    assert stock[0].startswith("CUDA_DEVICE_MAX_CONNECTIONS=1") and "srun" in stock
-    assert "megatron_bfpp.launch" not in stock and plugin[plugin.index("-m") + 1] == "megatron_bfpp.launch"
-    fs, fp = _flags_after_script(stock), _flags_after_script(plugin)
-    stock_only = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
-    plugin_only = ["--pipeline-schedule", "breadth-first", "--zero-stage", "3"]
-    assert fs[-3:] == stock_only and fp[-4:] == plugin_only
-    assert fs[:-3] == fp[:-4]  # identical model, layout, batch, iterations, logging
-    assert _flag(fs, "--num-layers-per-virtual-pipeline-stage") == "1"  # stock runs interleaved 1F1B
+@needs_mlm
+def test_ab_dry_run_fair_variants_checked_by_megatron(monkeypatch: pytest.MonkeyPatch) -> None:
+    lines, cmds = _ab_dry_run("--model", "13b", "--gpus-per-node", "8", "--nnodes", "8", "--launcher", "srun",
+                              "--variant-flags", "plugin-bf-zero3=--recompute-granularity selective",
+                              mlm=MEGATRON_LM_DIR)
+    mlm = str(Path(MEGATRON_LM_DIR).resolve())
+    assert f"# working directory: {mlm}" in lines and f"# training script:   {mlm}/pretrain_gpt.py" in lines
+    # Stock at its best: group sizes P and 2P (the best is the baseline); the project's check ran on every variant.
+    assert list(cmds) == ["stock-g8", "stock-g16", "plugin-bf-distopt", "plugin-bf-zero3"]
+    order = next(ln for ln in lines if ln.startswith("# order:")).split()[2:]
+    assert order == [f"{v}#{k}" for k in (1, 2, 3) for v in cmds]  # A B C A B C
+    assert sum(ln.startswith("# check ") and ": ok: PluginConfig(" in ln for ln in lines) == 4
+    flags = {v: _flags_after_script(c) for v, c in cmds.items()}
+    for v, c in cmds.items():
+        assert c[0].startswith("CUDA_DEVICE_MAX_CONNECTIONS=1") and c[2] == "srun" and "torchrun" in c
+        assert ("megatron_bfpp.launch" in c) == v.startswith("plugin")
+    dist_opt = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    assert flags["stock-g8"][-5:] == dist_opt + ["--microbatch-group-size-per-virtual-pipeline-stage", "8"]
+    assert flags["stock-g16"][-1] == "16"
+    assert flags["plugin-bf-distopt"][-7:-2] == ["--pipeline-schedule", "breadth-first", *dist_opt]
+    assert "--zero-stage" not in flags["plugin-bf-distopt"] and "--timeline" in flags["plugin-bf-distopt"]
+    z3 = flags["plugin-bf-zero3"]
+    assert z3[z3.index("--zero-stage") + 1] == "3" and "--use-distributed-optimizer" not in z3
+    assert z3[z3.index("--recompute-granularity") + 1] == "selective"  # per variant only
+    common = flags["stock-g8"][:-5]
+    for v, f in flags.items():
+        assert f[: len(common)] == common, v  # identical model, layout, batch, data, seed, logging
+    assert "--recompute-granularity" not in common and "--sequence-parallel" in common and "--bf16" in common
+    assert _flag(common, "--transformer-impl") == "local"  # no TransformerEngine here
+    assert _flag(common, "--seed") == "1234" and "--mock-data" in common
+    # Megatron's own parser and validation accept every variant at the job's world size.
+    from megatron_bfpp.megatron.check import parse_megatron_args
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    args = parse_megatron_args(flags["stock-g8"], world_size=64)
+    assert args.use_distributed_optimizer and args.overlap_param_gather and args.virtual_pipeline_model_parallel_size == 5
+    assert args.sequence_parallel and args.microbatch_group_size_per_vp_stage == 8
 
 
-def test_ab_commands_pass_megatron_validation(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_bfpp.megatron.check import check, parse_megatron_args
-
-    cmds = _ab_dry_run("--model", "tiny", "--gpus-per-node", "8")
-    cfg = check(_flags_after_script(cmds["plugin"]), world_size=8)
-    assert (cfg.pipeline_schedule, cfg.pp, cfg.vp, cfg.zero_stage) == ("breadth-first", 4, 2, 3)
-    args = parse_megatron_args(_flags_after_script(cmds["stock"]), world_size=8)
-    assert args.use_distributed_optimizer and args.overlap_param_gather and args.virtual_pipeline_model_parallel_size == 2
-    assert args.pipeline_schedule == "default"
-
-
-def _iteration_line(it: int, ms: float, tflops: float, gbs: int, loss: float) -> str:
-    # Megatron-LM 0.19 training_log() format (megatron/training/training.py).
-    return (f" [2026-01-01 00:00:00.000000] iteration {it:8d}/{30:8d} | consumed samples: {it * gbs:12d} |"
-            f" elapsed time per iteration (ms): {ms:.1f} | throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
-            f" learning rate: {1.5e-4:.6E} | global batch size: {gbs:5d} | lm loss: {loss:.6E} |"
-            f" loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 | number of nan iterations:   0 |")
+def test_ab_dry_run_te_overlap_added_variant_and_bad_names() -> None:
+    _, cmds = _ab_dry_run("--model", "13b", "--nnodes", "2", "--no-check", "--transformer-impl", "transformer_engine",
+                          "--variants", "stock,plugin-bf-zero3,zb", "--stock-group-sizes", "8",
+                          "--add-variant", "zb=plugin:--pipeline-schedule interleaved-1f1b")
+    assert list(cmds) == ["stock", "plugin-bf-zero3", "zb"]
+    f = _flags_after_script(cmds["zb"])
+    assert f[-4:-2] == ["--pipeline-schedule", "interleaved-1f1b"] and "megatron_bfpp.launch" in cmds["zb"]
+    assert "--tp-comm-overlap" in f and _flag(f, "--transformer-impl") == "transformer_engine"
+    r = _run([*AB, "--megatron-lm-dir", "/opt/mlm", "--dry-run", "--no-check", "--variants", "stock,nope"])
+    assert r.returncode != 0 and "--variants nope unknown" in r.stderr
+    r = _run([*AB, "--megatron-lm-dir", "/opt/mlm", "--dry-run", "--no-check", "--variant-flags", "nope=--foo"])
+    assert r.returncode != 0 and "no such variant" in r.stderr
 
 
-def _memory_line(rank: int, it: int, alloc: float, peak: float) -> str:
-    # report_memory() format (megatron/training/utils/common_utils.py).
-    return (f"[Rank {rank}] (after {it} iterations) memory (MB) | allocated: {alloc:.2f} | max allocated: {peak:.2f}"
-            f" | reserved: {peak + 100:.2f} | max reserved: {peak + 200:.2f}")
+def _fake_mlm(tmp_path: Path) -> Path:
+    mlm = tmp_path / "Megatron-LM"
+    mlm.mkdir()
+    (mlm / "pretrain_gpt.py").write_text("")
+    return mlm
 
 
-def test_ab_parse_summary_csv_png(tmp_path: Path) -> None:
-    seq, gbs = 1024, 16
-    stock_ms = [2000.0, 1000.0, 1010.0, 990.0]
-    plugin_ms = [2500.0, 800.0, 810.0, 790.0]
-    for name, ms, peak in (("stock", stock_ms, 4000.0), ("plugin", plugin_ms, 3000.0)):
-        lines = ["noise before", "WARNING: something"]
-        for i, t in enumerate(ms, start=1):
-            lines.append(_iteration_line(i, t, 100.0 * 1000 / t, gbs, 10.0 - i))
-            lines += [_memory_line(r, i, peak / 2, peak - 10 * r) for r in (0, 4)]
-        (tmp_path / f"{name}.log").write_text("\n".join(lines) + "\n")
-    assert ab_megatron.main(["--parse-only", "--out", str(tmp_path), "--model", "tiny", "--warmup", "1"]) == 0
-    rows = {r["variant"]: r for r in csv.DictReader((tmp_path / "ab_summary.csv").open())}
-    assert float(rows["stock"]["median_elapsed_ms"]) == 1000.0 and float(rows["plugin"]["median_elapsed_ms"]) == 800.0
-    assert float(rows["stock"]["median_tokens_per_s"]) == pytest.approx(gbs * seq / 1.0)
-    assert float(rows["plugin"]["ratio_median_tokens_per_s"]) == pytest.approx(1000 / 800)
-    assert float(rows["plugin"]["peak_max_allocated_mb"]) == 3000.0
-    assert float(rows["plugin"]["ratio_peak_max_allocated_mb"]) == pytest.approx(0.75)
-    assert float(rows["plugin"]["last_lm_loss"]) == pytest.approx(6.0)
-    its = list(csv.DictReader((tmp_path / "ab_iterations.csv").open()))
-    assert len(its) == 8 and {r["variant"] for r in its} == {"stock", "plugin"}
-    mem = list(csv.DictReader((tmp_path / "ab_memory.csv").open()))
-    assert len(mem) == 16 and {r["rank"] for r in mem} == {"0", "4"}
-    png = (tmp_path / "ab_megatron.png").read_bytes()
+def _ab_fake(tmp_path: Path, *extra: str, **env: str) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+    mlm = _fake_mlm(tmp_path) if not (tmp_path / "Megatron-LM").exists() else tmp_path / "Megatron-LM"
+    r = _run([*AB, "--megatron-lm-dir", "Megatron-LM", "--out", "ab", "--model", "tiny", "--no-check",
+              "--iters", "10", "--warmup", "2", "--reps", "2", *extra], cwd=tmp_path,
+             PATH=f"{FAKE_BIN}:{os.environ['PATH']}", **env)
+    summary = tmp_path / "ab" / "ab_summary.csv"
+    rows = {row["variant"]: row for row in csv.DictReader(summary.open())} if summary.exists() else {}
+    assert mlm.is_dir()
+    return r, rows
+
+
+def test_ab_fake_runner_medians_spread_memory_csv_png(tmp_path: Path) -> None:
+    r, rows = _ab_fake(tmp_path, FAKE_AB_MS="stock-g4=1000,stock-g8=1100,plugin-bf-distopt=900,plugin-bf-zero3=800")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert list(rows) == ["stock-g4", "stock-g8", "plugin-bf-distopt", "plugin-bf-zero3"]
+    assert all(row["status"] == "ok" and row["loss_check"] == "ok" for row in rows.values())
+    z3 = rows["plugin-bf-zero3"]
+    assert z3["baseline"] == "stock-g4" and float(z3["median_elapsed_ms"]) == 800.0  # warm-up left out
+    assert float(z3["median_tokens_per_s"]) == pytest.approx(16 * 1024 / 0.8)
+    assert float(z3["ratio_median_tokens_per_s"]) == pytest.approx(1000 / 800)
+    assert float(z3["min_tokens_per_s"]) <= float(z3["median_tokens_per_s"]) <= float(z3["max_tokens_per_s"])
+    assert float(z3["median_tflops_per_gpu"]) == pytest.approx(125.0) and z3["reps"] == "2"
+    assert float(z3["ratio_peak_max_allocated_mb"]) == pytest.approx(0.75)
+    runs = json.loads((tmp_path / "ab" / "ab_runs.json").read_text())["runs"]
+    assert [(x["variant"], x["rep"]) for x in runs] == [(v, k) for k in (1, 2) for v in rows]  # interleaved
+    assert all(Path(x["log"]).is_absolute() and x["returncode"] == 0 for x in runs)
+    mem = list(csv.DictReader((tmp_path / "ab" / "ab_memory.csv").open()))
+    assert {(m["variant"], m["rank"]) for m in mem} == {(v, k) for v in rows for k in ("0", "4")}
+    png = (tmp_path / "ab" / "ab_megatron.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # --parse-only re-analyses the same logs to the same summary.
+    before = (tmp_path / "ab" / "ab_summary.csv").read_text()
+    assert ab_megatron.main(["--parse-only", "--out", str(tmp_path / "ab"), "--warmup", "2"]) == 0
+    assert (tmp_path / "ab" / "ab_summary.csv").read_text() == before
 
 
-def test_ab_parse_rejects_failed_run(tmp_path: Path) -> None:
-    (tmp_path / "stock.log").write_text("Traceback (most recent call last):\nAssertionError: Megatron requires CUDA.\n")
-    (tmp_path / "plugin.log").write_text(_iteration_line(1, 1.0, 1.0, 1, 1.0) + "\n")
+def test_ab_failed_variant_is_marked_failed_and_exits_nonzero(tmp_path: Path) -> None:
+    """A variant that runs out of memory at iteration 7 is not a result: no medians from its partial log, the
+    CSV and PNG say FAILED, and the driver exits 1 naming the variant and its log."""
+    r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", FAKE_AB_FAIL="plugin-bf-distopt")
+    assert r.returncode == 1
+    log = tmp_path / "ab" / "plugin-bf-distopt.rep1.log"
+    assert f"variant plugin-bf-distopt failed: exited with status 1 after 7 logged iteration(s); see {log}" in r.stderr
+    bad = rows["plugin-bf-distopt"]
+    assert bad["status"] == "failed" and str(log) in bad["error"]
+    assert bad["median_tokens_per_s"] == "" and bad["ratio_median_tokens_per_s"] == ""
+    assert rows["stock"]["status"] == "ok" and rows["plugin-bf-zero3"]["status"] == "ok"
+    assert (tmp_path / "ab" / "ab_megatron.png").is_file()
+
+
+def test_ab_never_falls_back_to_warmup_iterations(tmp_path: Path) -> None:
+    r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", "--warmup", "5", FAKE_AB_STOP="plugin-bf-zero3=4")
+    assert r.returncode == 1 and rows["plugin-bf-zero3"]["status"] == "failed"
+    assert "none after the 5 warm-up iteration(s)" in rows["plugin-bf-zero3"]["error"]
+    assert "variant plugin-bf-zero3 failed" in r.stderr
+
+
+def test_ab_first_iteration_loss_must_agree(tmp_path: Path) -> None:
+    r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", FAKE_AB_LOSS="plugin-bf-zero3=10.9")
+    assert r.returncode == 1 and rows["plugin-bf-zero3"]["loss_check"].startswith("mismatch: 10.9 vs 10.5")
+    assert "did not train the same model" in r.stderr
+    r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", FAKE_AB_LOSS="plugin-bf-zero3=10.55")  # bf16 noise
+    assert r.returncode == 0 and rows["plugin-bf-zero3"]["loss_check"] == "ok"
+
+
+def test_ab_parse_only_needs_the_run_record(tmp_path: Path) -> None:
     assert ab_megatron.main(["--parse-only", "--out", str(tmp_path)]) == 2
+
+
+@needs_mlm
+@pytest.mark.skipif(not (ROOT / "tests" / "cpu_shim" / "sitecustomize.py").is_file(),
+                    reason="the test-only CPU shim tests/cpu_shim/sitecustomize.py is not in this checkout yet")
+def test_ab_cpu_smoke_stock_vs_plugin(tmp_path: Path) -> None:
+    """The driver's real path on CPU: stock pretrain_gpt.py and the plugin launcher (breadth-first + ZeRO-3), 2
+    gloo processes, tiny GPT on mock data, through the test-only CPU shim; both train the same model."""
+    out = tmp_path / "ab-cpu"
+    r = _run([*AB, "--cpu-smoke", "--megatron-lm-dir", MEGATRON_LM_DIR, "--out", str(out), "--no-check",
+              "--variants", "stock,plugin-bf-zero3", "--stock-group-sizes", "2", "--iters", "4"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {row["variant"]: row for row in csv.DictReader((out / "ab_summary.csv").open())}
+    assert list(rows) == ["stock", "plugin-bf-zero3"]
+    for row in rows.values():
+        assert row["status"] == "ok" and row["loss_check"] == "ok" and float(row["median_tokens_per_s"]) > 0
+    assert float(rows["stock"]["first_lm_loss"]) == pytest.approx(float(rows["plugin-bf-zero3"]["first_lm_loss"]),
+                                                                   rel=1e-4)
+    its = list(csv.DictReader((out / "ab_iterations.csv").open()))
+    assert {(x["variant"], x["iteration"]) for x in its} == {(v, str(i)) for v in rows for i in range(1, 5)}
+    assert (out / "ab_megatron.png").read_bytes()[:4] == b"\x89PNG"
