@@ -298,6 +298,7 @@ def plot(summary: list[dict], path: Path, title: str) -> None:
             ratio = s.get(f"ratio_{key}")
             if ratio is not None and s["variant"] != s.get("baseline"):
                 ax.annotate(f"x{ratio:.2f}", (x, bar.get_height()), ha="center", va="bottom")
+        ax.set_ylim(0, top * 1.15 if top > 1e-9 else 1.0)
         ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
         ax.grid(axis="y", alpha=0.3)
