@@ -192,10 +192,10 @@ class ScheduleExecutor:
                 end = i + 1
                 while action.batch is not None and end < len(self.actions) and self.actions[end].batch == action.batch:
                     end += 1
-                t = self.recorder.start() if self.recorder else None
                 self._post(self.actions[i:end])
+                t = self.recorder.start() if self.recorder else None
                 for posted in self.actions[i:end] if self.recorder else ():
-                    self.recorder.stop(t, posted)  # the posting itself (host time), on the p2p track
+                    self.recorder.stop(t, posted)  # when it was posted (metrics split a peer's wait there)
                 i = end
                 continue
             if action.op in (Op.F, Op.B):

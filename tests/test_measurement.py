@@ -1,0 +1,111 @@
+"""Measured timelines account for every second of a step, and a wait is never counted as compute.
+
+Real multi-process runs of the runtime (gloo) with the action recorder on: per rank, compute + bubble +
+exposed p2p + exposed dp + optimizer + other equals the step time; compute intervals contain no wait; and a
+sender that is late (it sleeps before posting a send) shows up as its receiver's bubble, not as anybody's
+compute.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tests import toy_pipeline as toy
+from tests.distributed import run_distributed
+
+DELAY_S = 0.5
+
+
+def _recorded_worker(rank: int, world: int, name: str, vp: int, m: int, delay_send: str | None) -> list:
+    import torch.distributed as dist
+
+    from megatron_bfpp.runtime import ActionRecorder, get_forward_backward_func, set_recorder
+    from megatron_bfpp.runtime.p2p import PipelineP2P
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    pg = SimpleNamespace(pp=dist.new_group(list(range(world))), dp=None)
+    cfg = toy.make_config()
+    chunks = [toy.ToyStage(cfg, rank + c * world, world * vp) for c in range(vp)]
+    fb = get_forward_backward_func(name)
+    recorder = ActionRecorder(rank, use_cuda=False)
+    set_recorder(recorder)
+    original = PipelineP2P.post
+    if delay_send is not None and rank == 0:
+        def late_post(self, ops):  # the sender is slow (e.g. a straggling GPU) right before one send
+            if any(op.op is dist.isend and op.tensor.data_ptr() == getattr(self, "_late", None) for op, _ in ops):
+                time.sleep(DELAY_S)
+            original(self, ops)
+        PipelineP2P.post = late_post
+    for iteration in range(2):  # the first iteration carries warm-up costs; both are recorded
+        recorder.enabled, recorder.iteration = True, iteration
+        if delay_send is not None and rank == 0 and iteration == 1:
+            _arm_late_send(fb, chunks, delay_send)
+        fb(forward_step_func=toy.forward_step, data_iterator=[iter(toy.make_batches(m)) for _ in chunks],
+           model=chunks, num_microbatches=m, seq_length=toy.SEQ, micro_batch_size=toy.MBS, pg_collection=pg)
+        recorder.flush()
+    PipelineP2P.post = original
+    set_recorder(None)
+    return [e.to_dict() for e in recorder.events]
+
+
+def _arm_late_send(fb, chunks, send: str) -> None:
+    """Mark the output tensor of the named SEND_F's forward as the one to delay (set once it exists)."""
+    from megatron_bfpp.runtime import executor as ex
+
+    stage, mb = (int(x) for x in send.removeprefix("SEND_F").split(":"))
+    original = ex.ScheduleExecutor._do_F
+
+    def do_f(self, a):
+        original(self, a)
+        if (a.stage, a.microbatch) == (stage, mb):
+            self.p2p._late = self.outputs[(stage, mb)].contiguous().data_ptr()
+            ex.ScheduleExecutor._do_F = original
+
+    ex.ScheduleExecutor._do_F = do_f
+
+
+def _metrics(events_per_rank, iteration=1):
+    from megatron_bfpp.trace.events import TimelineEvent
+    from megatron_bfpp.trace.metrics import iteration_metrics
+
+    events = [TimelineEvent.from_dict(e) for evs in events_per_rank for e in evs]
+    return events, iteration_metrics(events, iteration)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,vp,m", [("breadth-first", 2, 8), ("interleaved-1f1b", 2, 8)])
+def test_accounting_identity_on_a_four_process_run(name, vp, m):
+    events, metrics = _metrics(run_distributed(_recorded_worker, 4, name, vp, m, None))
+    assert metrics.consistent, metrics.overlaps
+    for r in metrics.ranks:
+        assert r.accounted_s == pytest.approx(r.step_time_s, rel=1e-9, abs=1e-12), r
+        assert min(r.compute_s, r.step_time_s - r.compute_s) >= 0
+        assert r.bubble == pytest.approx(r.bubble_s / r.step_time_s)
+    # No compute interval contains a wait of its own rank.
+    for rank in range(4):
+        computes = [e for e in events if e.rank == rank and e.stream == "compute" and e.op in ("F", "B")]
+        waits = [e for e in events if e.rank == rank and e.op == "WAIT" and e.end > e.start]
+        for w in waits:
+            assert not any(c.start < w.start and w.end < c.end for c in computes), (w, rank)
+    # Receive waits name their sender, whose send is in the timeline.
+    recv_waits = [e for e in events if e.op == "WAIT" and e.name.startswith("wait RECV")]
+    assert recv_waits and all(e.peer is not None for e in recv_waits)
+
+
+@pytest.mark.timeout(300)
+def test_a_late_sender_is_its_receivers_bubble_not_compute():
+    """Rank 0 sleeps 0.5 s before posting SEND_F0:1 (gpipe-like breadth-first, P = 2): rank 1's wait for that
+    activation is bubble; no rank's compute grows by the delay."""
+    _, base = _metrics(run_distributed(_recorded_worker, 2, "breadth-first", 2, 4, None))
+    _, late = _metrics(run_distributed(_recorded_worker, 2, "breadth-first", 2, 4, "SEND_F0:1"))
+    r1_base, r1_late = base.ranks[1], late.ranks[1]
+    assert r1_late.bubble_s - r1_base.bubble_s > 0.8 * DELAY_S, (r1_base, r1_late)
+    assert r1_late.exposed_p2p_wait_s < r1_base.exposed_p2p_wait_s + 0.2 * DELAY_S
+    for b, lt in zip(base.ranks, late.ranks):
+        assert lt.compute_s < b.compute_s + 0.2 * DELAY_S, (b, lt)
+        assert lt.accounted_s == pytest.approx(lt.step_time_s)
+    # The sleeping rank spends it outside compute (posting its send).
+    assert late.ranks[0].other_s - base.ranks[0].other_s > 0.8 * DELAY_S
