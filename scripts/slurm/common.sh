@@ -24,7 +24,8 @@
 #                     param gather) under the plugin's schedule
 #   DATA_PATH VOCAB_FILE MERGE_FILE DATA_CACHE_PATH  (unset DATA_PATH: Megatron's mock data, null tokenizer)
 #   OUT_ROOT (default: ${SCRATCH:-$HOME}/megatron_bfpp-runs) RUN_NAME CKPT_DIR LOG_DIR
-#   SAVE_INTERVAL (default 100)  EXIT_MARGIN_MINS (default 15)  REQUEUE=0 (no automatic requeue)
+#   SAVE_INTERVAL (default 100)  EXIT_MARGIN_MINS (default 15; or EXIT_DURATION_MINS outright)
+#   REQUEUE=0 (no automatic requeue)
 #   MASTER_PORT TIMELINE=1 EXTRA_ARGS BFPP_SKIP_CHECK=1 (no flag validation)
 #   NCCL_IB_HCA NCCL_SOCKET_IFNAME NCCL_IB_GID_INDEX NCCL_NET_GDR_LEVEL NCCL_DEBUG ... (passed to every rank)
 # Bash >= 4.2 (possibly empty arrays are expanded as ${a[@]+"${a[@]}"} under `set -u`).
