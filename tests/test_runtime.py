@@ -115,3 +115,83 @@ def test_strict_p2p_catches_an_nccl_unsafe_order():
     """The strict mode the runtime tests run under would fail on an order that deadlocks under NCCL."""
     out = run_distributed(_unsafe_order_worker, 2)
     assert all("deadlocks under NCCL" in o for o in out), out
+
+
+def test_saved_bytes_hook_skips_wrapper_subclasses():
+    """FP8/quantized tensors are wrapper subclasses without a plain storage: counted as nothing, not an error."""
+    from megatron_bfpp.runtime.executor import SavedBytesCounter
+
+    class Wrapper(torch.Tensor):
+        @staticmethod
+        def __new__(cls, inner):
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError(func)
+
+    w = Wrapper(torch.zeros(4))
+    with pytest.raises(Exception):
+        w.untyped_storage().data_ptr()  # what a storage-counting hook would call
+    counter = SavedBytesCounter()
+    assert counter.pack(w) is w and counter.nbytes == 0
+    plain = torch.zeros(4)
+    out = counter.pack(plain)
+    assert counter.nbytes == 16 and out is not plain and out.data_ptr() == plain.data_ptr()
+
+
+class _Work:
+    def __init__(self):
+        self.calls = []
+
+    def wait(self, *args):
+        self.calls.append(args)
+        return True
+
+
+@pytest.mark.parametrize("host_blocking", [True, False])
+def test_waits_take_a_timeout_only_where_they_block_the_host(host_blocking):
+    """gloo: bounded host wait. NCCL: `wait()` only orders the streams (no per-action host sync); the process
+    group's timeout and watchdog bound it."""
+    import datetime
+
+    from megatron_bfpp.runtime.executor import ScheduleExecutor
+    from megatron_bfpp.runtime.p2p import PendingTransfer
+    from megatron_bfpp.schedule import Action, Op
+
+    ex = ScheduleExecutor.__new__(ScheduleExecutor)
+    ex.recorder, ex.timeout = None, datetime.timedelta(seconds=5)
+    ex.p2p = SimpleNamespace(host_blocking_waits=host_blocking)
+    work = _Work()
+    ex._wait(PendingTransfer(work, torch.zeros(1), 1), Action(Op.RECV_F, 1, 0), "receive")
+    assert work.calls == ([(ex.timeout,)] if host_blocking else [()])
+
+
+def _handshake_worker(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    from megatron_bfpp.runtime import forward_backward as fbm
+    from megatron_bfpp.schedule import make_schedule
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.new_group([0, 1])
+    calls = []
+    original = dist.all_gather_into_tensor
+
+    def counting(*a, **k):
+        calls.append(1)
+        return original(*a, **k)
+
+    dist.all_gather_into_tensor = counting
+    try:
+        a, b = make_schedule("breadth-first", 2, 2, 4), make_schedule("breadth-first", 2, 2, 2)
+        for s in (a, a, a, b, b, a):
+            fbm._handshake(s, {"pipeline": group}, torch.device("cpu"))
+    finally:
+        dist.all_gather_into_tensor = original
+    return len(calls)
+
+
+@pytest.mark.timeout(120)
+def test_schedule_handshake_runs_once_per_distinct_schedule():
+    assert run_distributed(_handshake_worker, 2) == [2, 2]
