@@ -6,6 +6,13 @@ current (compute) stream, and the tensors are `record_stream`-ed on it so the ca
 their memory to another tensor before the collective is done; `Pending.wait()` then makes the *current*
 stream wait for the collective (NCCL's `Work.wait` is stream-ordered, it does not block the host). On CPU
 `Pending.wait()` blocks until gloo is done.
+
+Tensors passed in `unrecorded` skip `record_stream`: the caller promises to free them only after waiting on
+the collective (from the compute stream that allocated them). Their memory then returns to the compute
+stream's pool at once and is reused by the next allocation there, which runs after the wait; a recorded
+block would stay unavailable until the allocator sees the communication stream's event complete, so a
+buffer freed at a wait and re-allocated right after would briefly exist twice. The full-size parameter and
+gradient buffers of `ddp.ShardedDataParallel` rely on this to keep their bounds in device memory.
 """
 
 from __future__ import annotations
@@ -111,7 +118,7 @@ def _comm_stream(device: torch.device) -> "torch.cuda.Stream":
     return s
 
 
-def _launch(fn: Callable[[], object], tensors: tuple[torch.Tensor, ...]):
+def _launch(fn: Callable[[], object], tensors: tuple[torch.Tensor, ...], unrecorded: tuple[torch.Tensor, ...] = ()):
     dev = tensors[0].device
     if dev.type != "cuda":
         return fn()
@@ -120,7 +127,8 @@ def _launch(fn: Callable[[], object], tensors: tuple[torch.Tensor, ...]):
     with torch.cuda.stream(stream):
         work = fn()
     for t in tensors:
-        t.record_stream(stream)
+        if not any(t is u for u in unrecorded):
+            t.record_stream(stream)
     return work
 
 
@@ -129,7 +137,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, stats: RankStats | None,
-               on_done: Callable[[], None] | None = None) -> Pending:
+               on_done: Callable[[], None] | None = None, unrecorded: tuple[torch.Tensor, ...] = ()) -> Pending:
     """Launch `out = concat over ranks of inp` (out may hold inp as this rank's slice: in-place)."""
     if group_size(group) == 1:
         if out.data_ptr() != inp.data_ptr():
@@ -138,12 +146,12 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, stats: RankStats | N
     if stats is not None:
         stats.dp_allgather_calls += 1
         stats.dp_allgather_bytes += _nbytes(out)
-    work = _launch(lambda: _all_gather(out, inp, group=group, async_op=True), (out, inp))
+    work = _launch(lambda: _all_gather(out, inp, group=group, async_op=True), (out, inp), unrecorded)
     return Pending(work, (out, inp), on_done)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, stats: RankStats | None, average: bool = False,
-                   on_done: Callable[[], None] | None = None) -> Pending:
+                   on_done: Callable[[], None] | None = None, unrecorded: tuple[torch.Tensor, ...] = ()) -> Pending:
     """Launch `out = this rank's slice of (sum, or mean if average) over ranks of inp`."""
     n = group_size(group)
     if n == 1:
@@ -162,7 +170,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, stats: RankStats
                 out.div_(n)
                 if on_done is not None:
                     on_done()
-    work = _launch(lambda: _reduce_scatter(out, inp, op=op, group=group, async_op=True), (out, inp))
+    work = _launch(lambda: _reduce_scatter(out, inp, op=op, group=group, async_op=True), (out, inp), unrecorded)
     return Pending(work, (out, inp), done)
 
 

@@ -344,7 +344,9 @@ class ShardedDataParallel(DistributedDataParallel):
                 b.pbuf.alloc_full()
                 self.stats.on_gathered(b.pbuf.full_bytes)
             b.params_stale = False
-            b.gather = comm.all_gather(b.pbuf.full, b.pbuf.shard, self.dp_group, self.stats)
+            # Freed only after a wait (wait_params, release_params, full_params): no record_stream needed.
+            b.gather = comm.all_gather(b.pbuf.full, b.pbuf.shard, self.dp_group, self.stats,
+                                       unrecorded=(b.pbuf.full,))
 
     def wait_params(self) -> None:
         """Before every F/B: block until the parameters are usable (gathering now if nobody asked before)."""
@@ -386,8 +388,9 @@ class ShardedDataParallel(DistributedDataParallel):
             b.grads_unreduced = False
             b.grad_ready = False
             b.reduces.append(
+                # The full buffer is freed in on_done, after the wait: no record_stream (see comm).
                 comm.reduce_scatter(out, g, self.dp_group, self.stats, average=self.average_in_collective,
-                                    on_done=self._reduce_done(b, out, accumulate))
+                                    on_done=self._reduce_done(b, out, accumulate), unrecorded=(g,))
             )
             if self.zero_stage >= 2:
                 self.budget.on_reduce_launched(self, b)
