@@ -8,7 +8,11 @@ the ranks where the values were found, before anything is applied.
 
 Exit after a failure: a rank whose error was caused by another rank (a closed connection, a timed-out wait,
 a NaN found elsewhere) reports it in one line and exits after a short grace period, so that torchrun sees
-the rank that failed first and names it as the root cause.
+the rank that failed first and names it as the root cause. A configuration error (a bad flag or flag
+combination found by the workers, e.g. when the data or the checkpoint is read: `TrainerConfigError`,
+`CheckpointError`, Megatron-LM integration's `ConfigError`, or a `ValueError` whose message starts with the
+flag it names) is printed once, as one `error: ...` line without a traceback, by the first rank that reports
+it, and exits with status 2 (as a rejected command line); tracebacks are kept for unexpected errors.
 
 Test hook (not for production use): `BFPP_FAULT_INJECT="rank=R,iteration=I,point=P"` makes global rank R
 fail at iteration I. Points: `forward` / `backward` (SIGKILL during the first forward / a backward of the
@@ -20,9 +24,11 @@ NaN), `nan_grad` (the gradient flowing out of its loss becomes NaN; the loss sta
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -107,9 +113,62 @@ def caused_by_peer(e: BaseException, rank: int) -> bool:
     return False
 
 
+CONFIG_ERROR_EXIT_CODE = 2  # as argparse and the trainer's own command-line checks
+_REPORT_WINDOW_S = 300.0  # a marker older than this belongs to an earlier run
+
+
+def is_config_error(e: BaseException) -> bool:
+    """Whether `e` reports a bad configuration (the user's to fix from its message) rather than a bug."""
+    from .checkpoint import CheckpointError
+    from .megatron.validation import ConfigError
+    from .train_config import TrainerConfigError
+
+    if isinstance(e, (TrainerConfigError, ConfigError)):
+        return True
+    if isinstance(e, CheckpointError):  # one that wraps an unexpected error keeps its traceback
+        return e.__cause__ is None
+    return type(e) is ValueError and str(e).startswith("--")  # the project's convention: the flag comes first
+
+
+def _first_report_of_this_run() -> bool:
+    """True on the first rank of this launch (on this host) to report a configuration error.
+
+    The ranks of one launch share MASTER_ADDR/MASTER_PORT, the launcher's process (their parent) and, under
+    torchrun, its run id and restart count: the first to create the marker file named by them prints."""
+    if "MASTER_PORT" not in os.environ:
+        return True  # a single process, no launcher
+    key = "|".join(os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                                                   "TORCHELASTIC_RESTART_COUNT")) + f"|{os.getppid()}"
+    path = os.path.join(tempfile.gettempdir(), f"bfpp-config-error-{hashlib.sha1(key.encode()).hexdigest()[:16]}")
+    for _ in range(2):
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            return True
+        except FileExistsError:
+            try:
+                if time.time() - os.path.getmtime(path) < _REPORT_WINDOW_S:
+                    return False
+                os.unlink(path)  # stale: left by an earlier launch that reused the same port
+            except OSError:
+                return False
+        except OSError:
+            return True  # no usable temporary directory: better twice than never
+    return True
+
+
+def report_config_error(e: BaseException, rank: int) -> int:
+    """Print a configuration error once per launch (first reporting rank), without a traceback; return 2."""
+    if _first_report_of_this_run():
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    return CONFIG_ERROR_EXIT_CODE
+
+
 def report_failure(e: BaseException, rank: int, grace_s: float | None = None) -> int:
-    """Print the failure of this rank and return the exit code (1). A rank that only saw another rank's
-    failure prints one line and waits `grace_s` first, so the launcher observes the failing rank first."""
+    """Print the failure of this rank and return the exit code (1; 2 for a configuration error, printed once
+    by the first rank that reports it). A rank that only saw another rank's failure prints one line and waits
+    `grace_s` first, so the launcher observes the failing rank first."""
+    if is_config_error(e):
+        return report_config_error(e, rank)
     grace = PEER_FAILURE_GRACE_S if grace_s is None else grace_s
     if caused_by_peer(e, rank):
         print(f"rank {rank}: failed because another rank failed: {type(e).__name__}: {e}", file=sys.stderr,

@@ -405,9 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse_trainer_args(argv)
-    except TrainerConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except TrainerConfigError as e:  # every rank checks the same flags: the first to report prints
+        from .faults import report_config_error
+
+        return report_config_error(e, int(os.environ.get("RANK", "0")))
     from . import parallel
     from .faults import report_failure
 

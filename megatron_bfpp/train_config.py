@@ -135,6 +135,13 @@ def check_trainer_args(a: argparse.Namespace, world_size: int) -> None:
             f"data-parallel size {dp} (world {world_size} / P {pp} / T {tp})"
         )
     m = gbs // (a.micro_batch_size * dp)
+    a.schedule_note = None
+    if a.pipeline_schedule == "breadth-first" and vp == 1 and (a.microbatch_group_size_per_vp_stage or m) >= m:
+        # Breadth-first with one stage per rank runs every forward, then every backward: that is GPipe.
+        a.pipeline_schedule = "gpipe"
+        a.microbatch_group_size_per_vp_stage = None
+        a.schedule_note = ("--pipeline-schedule breadth-first with one stage per rank (V = 1, no "
+                           "--num-layers-per-virtual-pipeline-stage) is GPipe: running gpipe")
     try:
         build(a.pipeline_schedule, pp, vp, m, a.microbatch_group_size_per_vp_stage
               if a.pipeline_schedule in ("interleaved-1f1b", "breadth-first") else None)
@@ -228,8 +235,15 @@ def _is_number(s: str) -> bool:
         return False
 
 
-def parse_trainer_args(argv: list[str], world_size: int | None = None) -> argparse.Namespace:
-    """Parse with Megatron-LM's parser, check (no process group needed), then run Megatron's validate_args."""
+def _log_on_rank_0(msg: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(msg, flush=True)
+
+
+def parse_trainer_args(argv: list[str], world_size: int | None = None, log=_log_on_rank_0) -> argparse.Namespace:
+    """Parse with Megatron-LM's parser, check (no process group needed), then run Megatron's validate_args.
+
+    `log(msg)` receives the notes about what was resolved (default: printed by rank 0; None: silent)."""
     from megatron.training.arguments import parse_args, validate_args
 
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
@@ -276,4 +290,6 @@ def parse_trainer_args(argv: list[str], world_size: int | None = None) -> argpar
         _check_checkpoint_shape(args)
     args.virtual_pipeline_model_parallel_size = (args.virtual_pipeline_model_parallel_size
                                                  if (args.virtual_pipeline_model_parallel_size or 1) > 1 else None)
+    if args.schedule_note and log is not None:
+        log(args.schedule_note)
     return args

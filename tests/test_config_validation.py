@@ -73,7 +73,10 @@ CASES = [
     ("group-size-above-M", lambda d: _with(BASE, pipeline_schedule="interleaved-1f1b", pipeline_model_parallel_size=2,
                                            num_layers_per_virtual_pipeline_stage=1) + GROUP + ["16"], 2,
      "--microbatch-group-size-per-virtual-pipeline-stage"),
-    ("breadth-first-needs-V", lambda d: _with(BASE, pipeline_schedule="breadth-first"), 1, "--pipeline-schedule"),
+    # V = 1 in groups smaller than M: not GPipe (which V = 1 without groups runs, see below), refused.
+    ("breadth-first-groups-need-V", lambda d: _with(BASE, pipeline_schedule="breadth-first",
+                                                    microbatch_group_size_per_virtual_pipeline_stage=2), 1,
+     "--pipeline-schedule"),
     ("interleaved-needs-V", lambda d: _with(BASE, pipeline_schedule="interleaved-1f1b",
                                             pipeline_model_parallel_size=2), 2, "--pipeline-schedule"),
     ("fp16-without-loss-scaling", lambda d: _with(BASE + GPIPE, fp16=None, loss_scale=1), 1, "--loss-scale"),
@@ -179,3 +182,31 @@ def test_valid_configurations_pass(tmp_path):
         assert args.global_batch_size == 8
     assert not os.path.exists(ckpt)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("pp, world", [(1, 1), (1, 2), (2, 2)])
+def test_breadth_first_with_one_stage_per_rank_runs_gpipe(pp, world, monkeypatch):
+    """The default schedule (breadth-first) with V = 1 is GPipe: run as gpipe, said in one note, on rank 0."""
+    notes = []
+    argv = _with(BASE, pipeline_model_parallel_size=pp)
+    args = parse_trainer_args(argv, world_size=world, log=notes.append)
+    assert args.pipeline_schedule == "gpipe" and args.virtual_pipeline_model_parallel_size is None
+    assert args.microbatch_group_size_per_vp_stage is None
+    assert len(notes) == 1 and "is GPipe" in notes[0] and "breadth-first" in notes[0], notes
+    # A group size covering all M micro-batches is the same schedule.
+    args = parse_trainer_args(_with(argv, microbatch_group_size_per_virtual_pipeline_stage=8 * pp // world),
+                              world_size=world, log=None)
+    assert args.pipeline_schedule == "gpipe"
+    # With virtual stages breadth-first stays breadth-first, silently.
+    notes.clear()
+    args = parse_trainer_args(_with(argv, num_layers_per_virtual_pipeline_stage=1), world_size=world,
+                              log=notes.append)
+    assert args.pipeline_schedule == "breadth-first" and not notes
+
+
+def test_gpipe_note_is_printed_by_rank_0_only(monkeypatch, capsys):
+    for rank, expected in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("RANK", rank)
+        parse_trainer_args(BASE, world_size=2)
+        out = capsys.readouterr().out
+        assert out.count("is GPipe: running gpipe") == expected, out
