@@ -12,8 +12,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -191,6 +193,43 @@ def test_slurm_script_outside_the_checkout_names_bfpp_root(tmp_path: Path) -> No
     r = _run(["bash", str(copy), "--dry-run"], cwd=tmp_path, BFPP_ROOT=str(ROOT), BFPP_SKIP_CHECK="1",
              MEGATRON_LM_DIR=str(tmp_path))
     assert r.returncode == 0, r.stderr
+
+
+def test_slurm_time_strings_to_minutes() -> None:
+    cases = {"240": 240, "59:30": 59, "4:00:00": 240, "1-02": 1560, "1-02:30": 1590, "2-00:00:00": 2880,
+             "UNLIMITED": "", "NOT_SET": "", "": ""}
+    script = "; ".join(f'echo "[$(bfpp_minutes {shlex.quote(t)})]"' for t in cases)
+    r = _run(["bash", "-c", f"set -euo pipefail; source scripts/slurm/common.sh; {script}"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [f"[{m}]" for m in cases.values()]
+
+
+def test_node_launch_forwards_usr1_to_the_ranks_not_torchrun(tmp_path: Path) -> None:
+    """SLURM's warning signal must reach the ranks (Megatron's --exit-signal-handler) without killing torchrun,
+    which does not handle SIGUSR1."""
+    marker = tmp_path / "rank-got-usr1"
+    rank = ("import signal, sys, time, pathlib\n"
+            f"signal.signal(signal.SIGUSR1, lambda *a: pathlib.Path({str(marker)!r}).write_text('ok'))\n"
+            "pathlib.Path(sys.argv[1]).write_text('ready')\n"
+            "for _ in range(300):\n"
+            "    time.sleep(0.05)\n"
+            f"    if pathlib.Path({str(marker)!r}).exists(): sys.exit(0)\n"
+            "sys.exit(3)\n")
+    (tmp_path / "rank.py").write_text(rank)
+    fake_torchrun = tmp_path / "torchrun"  # a parent that dies of SIGUSR1 unless it is ignored, like torchrun
+    fake_torchrun.write_text(f'#!/usr/bin/env bash\n"{sys.executable}" {tmp_path / "rank.py"} {tmp_path / "ready"} &\n'
+                             'wait $!\nexit $?\n')
+    fake_torchrun.chmod(0o755)
+    p = subprocess.Popen(["bash", str(ROOT / "scripts" / "slurm" / "node_launch.sh"), str(fake_torchrun)],
+                         stderr=subprocess.PIPE, text=True)
+    for _ in range(200):
+        if (tmp_path / "ready").exists():
+            break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGUSR1)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 0 and marker.read_text() == "ok", err
+    assert "forwarded to the ranks" in err
 
 
 # ----------------------------------------------------------------------- submissions through a fake SLURM
