@@ -19,7 +19,8 @@
 #   RECOMPUTE         full | selective | none (activation recomputation; default from the batch script)
 #   USE_PATCH=1       run the patched pretrain_gpt.py (scripts/apply_megatron_patches.sh) instead of the
 #                     no-patch launcher `python -m megatron_bfpp.launch`
-#   GPUS_PER_NODE TP PP LAYERS_PER_STAGE MBS GBS GROUP_SIZE SCHEDULE ZERO_STAGE TRAIN_ITERS
+#   GPUS_PER_NODE (default: the allocation's, else 8)
+#   TP PP LAYERS_PER_STAGE MBS GBS GROUP_SIZE SCHEDULE ZERO_STAGE TRAIN_ITERS
 #                     ZERO_STAGE= (empty) keeps Megatron's distributed optimizer (overlapped grad reduce and
 #                     param gather) under the plugin's schedule
 #   DATA_PATH VOCAB_FILE MERGE_FILE DATA_CACHE_PATH  (unset DATA_PATH: Megatron's mock data, null tokenizer)
@@ -84,7 +85,8 @@ bfpp_slurm_main() {
   if [ -f "$entry_script" ]; then entry_script="$(readlink -f "$entry_script")"; fi
 
   local nnodes="${NNODES:?set NNODES}"
-  local gpus="${GPUS_PER_NODE:-8}"
+  local gpus="${GPUS_PER_NODE:-${SLURM_GPUS_PER_NODE:-8}}"
+  gpus="${gpus##*:}"  # SLURM writes typed requests as TYPE:COUNT
   local world=$(( nnodes * gpus ))
   if (( world % (TP * PP) != 0 )); then
     bfpp_die "$nnodes node(s) x $gpus GPU(s) = $world ranks is not a multiple of TP x PP = $TP x $PP = $(( TP * PP )):" \
