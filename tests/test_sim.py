@@ -49,7 +49,7 @@ def test_bubble_non_looped(name):
 
 @pytest.mark.parametrize("pp,vp,m", [(8, 4, 4), (4, 2, 2), (8, 2, 1), (4, 3, 3), (8, 4, 7)])
 def test_breadth_first_small_m_bubble(pp, vp, m):
-    """DESIGN.md section 1: BF with M < P idles [(V-1) max(M,P) + M + P - 1] / (V M) - 1 of its compute."""
+    """docs/design.md §1: BF with M < P idles [(V-1) max(M,P) + M + P - 1] / (V M) - 1 of its compute."""
     _, r = _unit("breadth-first", pp, vp, m)
     expected = ((vp - 1) * max(m, pp) + m + pp - 1) / (vp * m) - 1
     assert r.bubble_fraction == pytest.approx(expected, rel=1e-12)
@@ -192,7 +192,7 @@ def test_zero3_traffic_constant_in_m_for_breadth_first_not_interleaved():
     pp, vp = 8, 4
     bf = {m: _unit("breadth-first", pp, vp, m) for m in (8, 16, 32)}
     df = {m: _unit("interleaved-1f1b", pp, vp, m) for m in (8, 16, 32)}
-    for m, (s, r) in bf.items():  # DESIGN.md: 2V - min(2, V) gathers and V reduce-scatters whatever M is
+    for m, (s, r) in bf.items():  # docs/design.md §3: 2V - min(2, V) gathers and V reduce-scatters whatever M is
         assert set(r.dp_traffic["gather"]) == {2 * vp - 2} and set(r.dp_traffic["reduce"]) == {vp}
     for s, r in list(bf.values()) + list(df.values()):  # the simulator runs exactly the schedule's collectives
         assert r.dp_traffic["gather"] == [s.count(k, Op.GATHER) for k in range(pp)]

@@ -12,7 +12,7 @@ micro-batches, at P = 4 and P = 2 (V = 2) and several (M, G):
 give the same per-micro-batch losses and every parameter gradient as a single-process run of the whole model
 (fp32, rtol 1e-5, atol 1e-6), hence the same as each other.
 
-The trap (DESIGN.md §2): stock interleaving at P = 2 with ModelParallelConfig's defaults batch_p2p_comm=True,
+The trap (docs/design.md §2): stock interleaving at P = 2 with ModelParallelConfig's defaults batch_p2p_comm=True,
 overlap_p2p_comm=False silently gives wrong gradients (checked, with the mechanism, in
 test_pp2_trap_stock_batch_p2p_vs_ours); our runtime (activations and gradients on separate process groups)
 is exact in the same setting.
@@ -248,7 +248,7 @@ def test_pp2_trap_stock_batch_p2p_vs_ours(results):
     # batch_isend_irecv, and messages between one pair of ranks match in posting order, so the gradient lands
     # in the activation buffer and vice versa (same shape: nothing notices). Megatron-LM's argument checks
     # forbid this combination at P = 2 for that reason; Megatron-Core does not. If a later version fixes this,
-    # this assertion fails: then update this finding and DESIGN.md §2, not the threshold.
+    # this assertion fails: then update this finding and docs/design.md §2, not the threshold.
     assert err > 1e-3, (f"stock interleaved at P=2 with batch_p2p_comm=True, overlap_p2p_comm=False now matches "
                         f"the reference (max grad error {err:.3g}): the documented trap is gone in this version")
 
