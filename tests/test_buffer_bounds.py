@@ -91,3 +91,57 @@ def test_breadth_first_uses_its_buffers(reports):
             assert m["max_grad_buffers"] == GRAD_BUFFERS
             if RUNS[run][1] == 3:
                 assert m["max_weight_buffers"] == WEIGHT_BUFFERS
+
+
+def _dp_group():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return object()  # D = 1 without a process group: the collectives degenerate to copies
+    if dist.get_world_size() == 1:
+        return dist.group.WORLD
+    pytest.skip("a multi-process world is initialized in this process")
+
+
+@pytest.mark.parametrize("limit", [None, 1, 2])
+def test_driver_limit_waits_for_the_oldest_reduce(limit):
+    """In-process, D = 1, ZeRO-2, three chunks run backward breadth-first (last stage first), each reduced
+    right after its backward: the driver's limit (as the runtime sets it from the schedule) caps the live full
+    gradient buffers by waiting on the oldest reduce; without a limit all three stay live until finish_step.
+    The gradients are the same either way."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_bfpp.sharded import ShardedDataParallel, ShardedDriver
+
+    torch.manual_seed(0)
+    mods = [torch.nn.Linear(4, 4) for _ in range(3)]
+    ref = [[p.detach().clone() for p in m.parameters()] for m in mods]
+    pg = SimpleNamespace(dp_cp=_dp_group())
+    chunks = [ShardedDataParallel(SimpleNamespace(), DistributedDataParallelConfig(), m, pg_collection=pg,
+                                  zero_stage=2) for m in mods]
+    driver = ShardedDriver(chunks)
+    driver.set_buffer_limits(2, limit)
+    for c in chunks:
+        c.zero_grad_buffer()
+    x = torch.randn(2, 4)
+    live = []
+    for i in (2, 1, 0):
+        driver.before_backward(i)
+        chunks[i].module(x).pow(2).sum().backward()
+        driver.reduce(i)
+        live.append(driver.budget.grads.live)
+    driver.finish_step()
+    stats = driver.memory_stats()
+    assert stats["grad_buffers_limit"] == limit and stats["weight_buffers_limit"] is None  # ZeRO-2: resident
+    assert stats["max_grad_buffers"] == (3 if limit is None else limit)
+    assert live == ([1, 2, 3] if limit is None else [1, min(2, limit), limit])
+    assert stats["live_grad_buffers"] == 0
+    for c, params in zip(chunks, ref):
+        params = [p.requires_grad_() for p in params]
+        expect = torch.autograd.grad(torch.nn.functional.linear(x, *params).pow(2).sum(), params)
+        gbuf = c.flat_buffers[0].gbuf
+        for slot, g in zip(gbuf.layout.slots, expect):  # D = 1: the shard is the whole buffer
+            torch.testing.assert_close(gbuf.main_grad_shard[slot.start:slot.end].view(slot.shape), g)
