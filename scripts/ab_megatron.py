@@ -214,6 +214,7 @@ def summarize(variants: list[str], records: list[RunRecord], logs: dict[tuple[st
         first = logs[(v, recs[0].rep)].iterations[0]  # type: ignore[union-attr]
         row["first_iteration"] = first["iteration"]
         row["first_lm_loss"] = first["lm_loss"]
+        row["last_lm_loss"] = logs[(v, recs[0].rep)].iterations[-1]["lm_loss"]  # type: ignore[union-attr]
         rows.append(row)
 
     ok = [r for r in rows if r["status"] == "ok"]
@@ -343,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--loss-rtol", type=float, help="first-iteration loss agreement (default 2e-2 bf16, 1e-4 fp32)")
+    p.add_argument("--loss-rtol", type=float, help="first-iteration loss agreement (default 5e-3 bf16, 1e-4 fp32)")
     p.add_argument("--launcher", choices=("torchrun", "srun"), default="torchrun",
                    help="torchrun on this node, or srun + torchrun inside a SLURM allocation (site options: "
                         "$BFPP_SRUN_ARGS)")
@@ -462,7 +463,7 @@ def variants(a: argparse.Namespace, lay: dict) -> list[Variant]:
     return out
 
 
-def detect_transformer_impl(a: argparse.Namespace, prefix: list[str]) -> str:
+def detect_transformer_impl(a: argparse.Namespace) -> str:
     if a.transformer_impl != "auto":
         return a.transformer_impl
     probe = ["python", "-c", "import transformer_engine.pytorch"]
@@ -550,7 +551,8 @@ def check_flags(a: argparse.Namespace, mlm: str, vs: list[Variant], flags: list[
                        cwd=mlm if Path(mlm).is_dir() else None, timeout=600)
     lines = [ln for ln in r.stdout.splitlines() if ": ok: " in ln or ": rejected" in ln or "rejects" in ln]
     if r.returncode != 0:
-        detail = "\n".join(lines) or r.stderr.strip()[-2000:]
+        errs = [ln for ln in r.stderr.splitlines() if "error" in ln.lower() and "warn" not in ln.lower()]
+        detail = "\n".join(lines + errs[-5:]) or r.stderr.strip()[-2000:]
         raise SystemExit(f"error: the project's flag check rejects a variant:\n{detail}\n"
                          f"(python -m megatron_bfpp.megatron.check --world-size {world} -- FLAGS for details)")
     return lines
@@ -592,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"of megatron_bfpp)", file=sys.stderr)
             return 2
     if a.loss_rtol is None:
-        a.loss_rtol = 2e-2
+        a.loss_rtol = 5e-3
     out = Path(a.out).expanduser().absolute()
     lay = layout(a)
     title = (f"GPT {a.model}: {lay['world']} ranks, TP={lay['tp']} PP={lay['pp']} DP={lay['dp']}, M={lay['m']}"
@@ -613,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
               "pretrain_gpt.py", file=sys.stderr)
         return 2
     mlm = str(Path(mlm).resolve()) if Path(mlm).is_dir() else mlm
-    impl = detect_transformer_impl(a, [])
+    impl = detect_transformer_impl(a)
     flags = common_flags(a, lay, impl)
     vs = variants(a, lay)
     records = plan(a, mlm, out, vs, flags)

@@ -531,7 +531,7 @@ def test_ab_first_iteration_loss_must_agree(tmp_path: Path) -> None:
     r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", FAKE_AB_LOSS="plugin-bf-zero3=10.9")
     assert r.returncode == 1 and rows["plugin-bf-zero3"]["loss_check"].startswith("mismatch: 10.9 vs 10.5")
     assert "did not train the same model" in r.stderr
-    r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", FAKE_AB_LOSS="plugin-bf-zero3=10.55")  # bf16 noise
+    r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", FAKE_AB_LOSS="plugin-bf-zero3=10.52")  # bf16 noise
     assert r.returncode == 0 and rows["plugin-bf-zero3"]["loss_check"] == "ok"
 
 
