@@ -45,8 +45,8 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str], cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(**env), timeout=120, cwd=cwd)
+def _run(cmd: list[str], cwd: Path = ROOT, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(**env), timeout=timeout, cwd=cwd)
 
 
 def _flags_after_script(command: list[str]) -> list[str]:
