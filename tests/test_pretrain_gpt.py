@@ -281,10 +281,10 @@ def test_evaluation_matches_stock(mlm: Runner) -> None:
 
 @needs_checkout
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("zero", ["2", "3"])
+@pytest.mark.parametrize("zero", ["2"])
 def test_data_parallel_2_matches_stock(mlm: Runner, zero: str) -> None:
     """D = 2 (4 ranks, M = 4 per data-parallel rank) == stock at D = 1 on the same global batch; Megatron's
-    cross-replica weight-hash check (ZeRO-3: with gathered weights) passes at iteration 2 and 4."""
+    cross-replica weight-hash check passes at iterations 2 and 4. (ZeRO-3 at D = 2: the M < P case.)"""
     run = mlm.run("patched", TINY + P2V2 + ["--pipeline-schedule", "breadth-first", "--zero-stage", zero,
                                             "--check-weight-hash-across-dp-replicas-interval", "2"], nproc=4)
     assert "data-parallel size: 2" in run.output or "data_parallel_size .............. 2" in run.output
@@ -304,7 +304,7 @@ def _sequence_parallel_norm() -> str | None:
 
 @needs_checkout
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("zero", ["1", "3"])
+@pytest.mark.parametrize("zero", ["3"])
 @pytest.mark.parametrize("sp", ["tp2", "tp2-sp"])
 def test_tensor_parallel_2_matches_stock(mlm: Runner, zero: str, sp: str) -> None:
     """T = 2 (4 ranks), with and without --sequence-parallel, against stock at T = 2: the grad norm counts
@@ -325,17 +325,19 @@ def test_tensor_parallel_2_matches_stock(mlm: Runner, zero: str, sp: str) -> Non
 
 @needs_checkout
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("zero", ["none", "3"])
+@pytest.mark.parametrize("zero", ["3"])
 def test_fewer_microbatches_than_stages(mlm: Runner, zero: str) -> None:
-    """M = 1 < P = 2 (global batch 2 at D = 2, 4 ranks): breadth-first runs it, stock interleaving refuses it.
-    Reference: stock at D = 1 on the same model, seed, micro-batch size and global batch (the same two samples,
-    as M = 2 micro-batches instead of one per data-parallel rank), as in the D = 2 case. (Another micro-batch
-    size is no reference: stock itself logs other losses at --micro-batch-size 2 than at 1.)"""
+    """M = 1 < P = 2 (global batch 2 at D = 2, 4 ranks): breadth-first runs it, stock interleaving refuses it
+    (shown at global batch 1, D = 1). Reference: stock at D = 1 on the same model, seed, micro-batch size and
+    global batch (the same two samples, as M = 2 micro-batches instead of one per data-parallel rank), as in
+    the D = 2 case. (Another micro-batch size is no reference: stock itself logs other losses at
+    --micro-batch-size 2 than at 1.) Also ZeRO-3 at D = 2, with Megatron's cross-replica weight-hash check
+    (gathered weights)."""
     small = ["--global-batch-size", "2"]
     ref = mlm.run("stock", TINY + P2V2 + small)
-    refused = mlm.run("stock", TINY + P2V2 + small, nproc=4, expect_ok=False)
+    refused = mlm.run("stock", TINY + P2V2 + ["--global-batch-size", "1"], expect_ok=False)
     assert "M=1" in refused.output and not refused.records, "stock interleaving ran M=1 < P=2"
-    extra = [] if zero == "none" else ["--zero-stage", zero]
+    extra = ["--zero-stage", zero, "--check-weight-hash-across-dp-replicas-interval", "2"]
     run = mlm.run("patched", TINY + P2V2 + small + ["--pipeline-schedule", "breadth-first", *extra], nproc=4)
     assert "M=1" in run.output
     assert_same_training(run, ref)
