@@ -4,7 +4,8 @@
 Runs the trainer (`bfpp train`, 4 processes: P = 2, V = 2, D = 2 by default) once per configuration with a
 timeline of the last iterations, and prints, per configuration, the median step time, the exposed
 data-parallel wait (time the compute stream waited on GATHER/REDUCE completions, from the recorded timeline),
-the exposed p2p wait and the data-parallel collectives per rank per step. Not a test: CPU timings on a shared
+the exposed p2p wait, the measured bubble (idle over step time; waits are never counted as compute, see
+docs/timelines.md) and the data-parallel collectives per rank per step. Not a test: CPU timings on a shared
 machine are noisy, so configurations are run in turn and each reports the median of its iterations.
 
     python bench/zero_overlap.py [--iters 8] [--out bench/results/zero_overlap.csv]
@@ -50,6 +51,7 @@ def main() -> int:
             rows.append({
                 "schedule": schedule, "zero_stage": zero,
                 "median_step_s": statistics.median(steady),
+                "bubble": rep["measured"]["bubble"],
                 "exposed_dp_wait_s": rep["measured"]["exposed_dp_wait_s"],
                 "exposed_p2p_wait_s": rep["measured"]["exposed_p2p_wait_s"],
                 "allgathers_per_rank": max(c["dp_allgather_calls"] for c in comm),
@@ -65,11 +67,11 @@ def main() -> int:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print("\n| schedule | ZeRO | median step (ms) | exposed dp wait (ms) | exposed p2p wait (ms) | all-gathers | "
-          "reduce-scatters | dp MB/rank |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| schedule | ZeRO | median step (ms) | bubble | exposed dp wait (ms) | exposed p2p wait (ms) | "
+          "all-gathers | reduce-scatters | dp MB/rank |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['schedule']} | {r['zero_stage']} | {r['median_step_s']*1e3:.1f} | "
+        print(f"| {r['schedule']} | {r['zero_stage']} | {r['median_step_s']*1e3:.1f} | {r['bubble']:.1%} | "
               f"{r['exposed_dp_wait_s']*1e3:.1f} | {r['exposed_p2p_wait_s']*1e3:.1f} | {r['allgathers_per_rank']} | "
               f"{r['reduce_scatters_per_rank']} | {r['dp_bytes_per_rank']/1e6:.2f} |")
     print(f"\nwrote {out}")
