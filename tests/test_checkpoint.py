@@ -2,7 +2,8 @@
 
 Reference layout: D = 2, P = 2, V = 2, breadth-first, ZeRO-3, fp32 on CPU (4 gloo processes), dropout 0.
   A: 6 iterations straight.  B: the same run stopped after 3 (--save, --exit-interval 3).  C: --load B's
-  checkpoint, 3 more.  C's losses equal A's iterations 4-6 bit for bit.
+  checkpoint, 3 more.  C's losses equal A's iterations 4-6 bit for bit, and so do, on every rank, C's final
+  parameters and optimizer state (fp32 master weights, Adam moments, step, hyper-parameters, LR scheduler).
   D: B's checkpoint at D = 4, P = 1, V = 2 (breadth-first, ZeRO-2); E: at D = 1, P = 2, V = 1 (gpipe, ZeRO-1):
   both continue with A's losses within fp32 tolerance (the optimizer state is resharded). With
   --no-load-optim the loaded weights alone give A's iteration-4 loss.
@@ -26,6 +27,7 @@ import tempfile
 import time
 
 import pytest
+import torch
 
 from tests.distributed import free_port, run_distributed
 
@@ -43,15 +45,36 @@ D1_P2_V1 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _train(argv: list[str], world: int) -> list[float]:
+def _train(argv: list[str], world: int, state: dict | None = None, key: str = "") -> list[float]:
+    """Train; return the losses. With `state`, also store this rank's final state there under `key`."""
     from megatron_bfpp import parallel
     from megatron_bfpp.train import Trainer
     from megatron_bfpp.train_config import parse_trainer_args
 
     trainer = Trainer(parse_trainer_args(argv, world_size=world))
     trainer.run()
+    if state is not None:
+        state[key] = _final_state(trainer)
     parallel.destroy_parallel()
     return trainer.losses
+
+
+def _final_state(trainer) -> dict:
+    """This rank's parameters (gathered whole) and optimizer state, as copies."""
+    from contextlib import ExitStack
+
+    from megatron_bfpp.model import global_named_parameters
+
+    with ExitStack() as stack:
+        for chunk in trainer.model:
+            stack.enter_context(chunk.full_params())
+        params = {n: p.detach().clone() for n, p in
+                  global_named_parameters(trainer.model, trainer.pp_rank, trainer.pp).items()}
+    sd = trainer.optimizer.state_dict()
+    clone = lambda d: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in d.items()}  # noqa: E731
+    return {"params": params, "step": sd["step"], "param_groups": sd["param_groups"],
+            "grad_scaler": sd["grad_scaler"], "buckets": [clone(b) for b in sd["buckets"]],
+            "replicated": [clone(r) for r in sd["replicated"]], "scheduler": trainer.scheduler.state_dict()}
 
 
 def _reference_worker(rank: int, world: int, ckpt: str, killed_ckpt: str) -> dict:
@@ -61,15 +84,16 @@ def _reference_worker(rank: int, world: int, ckpt: str, killed_ckpt: str) -> dic
 
     # One default group for the four trainers run here one after another (each builds Megatron's groups anew).
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    out = {"A": _train(BASE + REFERENCE, world)}
+    states: dict = {}
+    out = {"A": _train(BASE + REFERENCE, world, states, "A")}
     out["B"] = _train(BASE + REFERENCE + ["--save", ckpt, "--save-interval", "3", "--exit-interval", "3"], world)
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         out["tracker_after_B"] = f.read()
-    out["C"] = _train(BASE + REFERENCE + ["--load", ckpt], world)
+    out["C"] = _train(BASE + REFERENCE + ["--load", ckpt], world, states, "C")
     out["D"] = _train(BASE + D4_P1_V2 + ["--load", ckpt], world)
     out["model_only"] = _train(BASE + REFERENCE + ["--load", ckpt, "--no-load-optim", "--exit-interval", "4"], world)
-    out["R"] = _train(BASE + REFERENCE + ["--load", killed_ckpt], world)
-    return out
+    out["R"] = _train(BASE + REFERENCE + ["--load", killed_ckpt], world, states, "R")
+    return {"losses": out, "state": states}
 
 
 MARGIN_S = 30  # process start-up/teardown on a loaded machine
@@ -91,8 +115,25 @@ def killed(tmp_path_factory) -> dict:
 def reference(tmp_path_factory, killed) -> dict:
     ckpt = str(tmp_path_factory.mktemp("ckpt") / "run")
     results = run_distributed(_reference_worker, 4, ckpt, killed["ckpt"], timeout=600)
-    assert all(r == results[0] for r in results)  # every rank learns the global loss
-    return {**results[0], "ckpt": ckpt}
+    assert all(r["losses"] == results[0]["losses"] for r in results)  # every rank learns the global loss
+    return {**results[0]["losses"], "ckpt": ckpt, "states": [r["state"] for r in results]}
+
+
+def _assert_bitwise_equal(got, expected, where: str) -> None:
+    """Exact equality of nested dicts/lists of tensors and plain values (tensors: same dtype, shape, bits)."""
+    if isinstance(expected, dict):
+        assert isinstance(got, dict) and set(got) == set(expected), f"{where}: keys {set(got) ^ set(expected)}"
+        for k in expected:
+            _assert_bitwise_equal(got[k], expected[k], f"{where}.{k}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(expected), f"{where}: lengths differ"
+        for i, (g, e) in enumerate(zip(got, expected)):
+            _assert_bitwise_equal(g, e, f"{where}[{i}]")
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == expected.dtype and got.shape == expected.shape, where
+        assert torch.equal(got, expected), f"{where}: max |diff| {(got - expected).abs().max().item():.3e}"
+    else:
+        assert got == expected, f"{where}: {got!r} != {expected!r}"
 
 
 def _close(a: list[float], b: list[float]) -> bool:
@@ -106,6 +147,15 @@ def test_resume_is_bitwise_identical(reference):
     assert reference["B"] == a[:3]
     assert reference["tracker_after_B"].strip() == "3"
     assert reference["C"] == a[3:]  # exact float equality: nothing lost, nothing changed
+
+
+@pytest.mark.timeout(900)
+def test_resume_restores_parameters_and_optimizer_state_bitwise(reference):
+    """After C (resumed at 3, trained to 6) every rank holds exactly A's parameters and optimizer state."""
+    for rank, state in enumerate(reference["states"]):
+        a, c = state["A"], state["C"]
+        assert a["step"] == 6 and len(a["buckets"]) > 0 and a["params"], f"rank {rank}: {a['step']}"
+        _assert_bitwise_equal(c, a, f"rank {rank}")
 
 
 @pytest.mark.timeout(900)
@@ -134,6 +184,8 @@ def test_killed_run_resumes_with_nothing_lost(killed, reference):
     logged = {int(i): v for i, v in re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|", killed["out"])}
     assert logged == {i + 1: f"{a[i]:.6E}" for i in range(5)}  # A's run, up to the iteration that died
     assert reference["R"] == a[3:]  # resumed from iteration 3: iterations 4-6 exactly as uninterrupted
+    for rank, state in enumerate(reference["states"]):
+        _assert_bitwise_equal(state["R"], state["A"], f"rank {rank}")
 
 
 def test_model_weights_load_without_the_optimizer(reference):
