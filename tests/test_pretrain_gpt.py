@@ -384,6 +384,58 @@ def test_fp16_overflow_skips_match_stock(mlm: Runner) -> None:
     assert_same_training(run, ref, rtol=1e-3, params_norm=False)
 
 
+# ------------------------------------------------------------------------- Megatron-LM core_v0.16.1 (smaller)
+
+def _checkout_016() -> Path | None:
+    """core_v0.16.1: $MEGATRON_LM_DIR_016, else beside MEGATRON_LM_DIR (../shared/megatron-lm/core_v0.16.1)."""
+    explicit = os.environ.get("MEGATRON_LM_DIR_016")
+    candidates = [Path(explicit)] if explicit else []
+    if MEGATRON_LM_DIR:
+        candidates.append(Path(MEGATRON_LM_DIR).resolve().parent / "core_v0.16.1")
+    return next((c for c in candidates if (c / "pretrain_gpt.py").is_file()), None)
+
+
+@pytest.fixture(scope="module")
+def mlm016(tmp_path_factory: pytest.TempPathFactory) -> Runner:
+    original = _checkout_016()
+    if original is None:
+        pytest.skip("no Megatron-LM core_v0.16.1 checkout: set MEGATRON_LM_DIR_016 (or keep core_v0.16.1 beside "
+                    "MEGATRON_LM_DIR)")
+    missing = _missing_module(original)
+    if missing:
+        pytest.skip(f"Megatron-LM core_v0.16.1 cannot be imported here: it needs {missing!r} "
+                    "(requirements.txt installs six, regex, pyyaml and pydantic for it)")
+    work = tmp_path_factory.mktemp("pretrain_gpt_016")
+    patched = work / "Megatron-LM"
+    shutil.copytree(original, patched, ignore=shutil.ignore_patterns("*.pyc", "__pycache__"))
+    _apply_patches(patched)
+    return Runner(original, patched, work)
+
+
+# A plugin run that stops on a Megatron-Core call whose signature changed between 0.16 and 0.19.
+SIGNATURE = re.compile(r"TypeError: ([\w.]+\(\) (?:missing \d+ required positional argument|got an unexpected "
+                       r"keyword argument|takes \d+ positional arguments? but)[^\n]*)")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["v016-bf", "v016-bf-zero3-launch"])
+def test_core_v0_16_1_matches_stock(mlm016: Runner, case: str) -> None:
+    """The same comparison on Megatron-LM core_v0.16.1 (its own megatron package, Python 3.12): breadth-first,
+    and ZeRO-3 through the launcher, against stock interleaved 1F1B."""
+    mode, extra = ("patched", []) if case == "v016-bf" else ("launch", ["--zero-stage", "3"])
+    run = mlm016.run(mode, TINY + P2V2 + ["--pipeline-schedule", "breadth-first", *extra], expect_ok=False)
+    assert "megatron_bfpp: installed pipeline schedule breadth-first" in run.output, _tail(run.output)
+    bad = SIGNATURE.search(run.output)
+    if bad and not run.records:
+        pytest.skip(f"the plugin installs on core_v0.16.1 but its runtime cannot drive 0.16.1's schedule helpers: "
+                    f"{bad.group(1)} (megatron_bfpp.runtime calls them with megatron-core 0.19's signatures)")
+    assert run.records and run.iterations(), _tail(run.output)
+    ref = mlm016.run("stock", TINY + P2V2)
+    assert ref.iterations() == [1, 2, 3, 4], _tail(ref.output)
+    assert_same_training(run, ref)
+    assert_same_validation(run, ref)
+
+
 # ---------------------------------------------------- flags that read weights / gradients outside the schedule
 
 REFUSED = [
