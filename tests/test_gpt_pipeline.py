@@ -134,7 +134,7 @@ def _compare(cases, per_rank, ref, num_layers, pp):
             for step in range(STEPS):
                 for n, grad in grads[step].items():
                     torch.testing.assert_close(grad, ref_grads[step][n], rtol=1e-5, atol=1e-6,
-                                               msg=lambda s: f"{name} V={vp} G={g} tied={tied} step {step} {n}: {s}")
+                                               msg=lambda s: f"{name} V={vp} G={g} tied={tied} step {step + 1} {n}: {s}")
             for n, value in params.items():
                 _assert_params_close(value, ref_params[n], f"{name} V={vp} G={g} tied={tied} final {n}")
             seen |= set(params)
