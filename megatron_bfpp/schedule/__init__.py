@@ -4,7 +4,7 @@ from .builders import build
 from .formats import from_csv, from_json, load, to_csv, to_json, to_json_dict
 from .ir import COMPUTE_OPS, DP_OPS, P2P_OPS, SCHEDULE_NAMES, Action, Op, Schedule, ScheduleError
 from .lower import accumulation_group, add_data_parallel, add_p2p, lower
-from .validate import peak_activations, simulate_nccl, simulate_order, validate
+from .validate import peak_activations, peak_pending_weight_grads, simulate_nccl, simulate_order, validate
 
 
 def make_schedule(
@@ -31,5 +31,5 @@ def make_schedule(
 __all__ = [
     "Action", "Op", "Schedule", "ScheduleError", "COMPUTE_OPS", "P2P_OPS", "DP_OPS", "SCHEDULE_NAMES",
     "build", "lower", "add_p2p", "add_data_parallel", "accumulation_group", "validate", "simulate_order", "simulate_nccl",
-    "peak_activations", "make_schedule", "to_json", "to_json_dict", "from_json", "to_csv", "from_csv", "load",
+    "peak_activations", "peak_pending_weight_grads", "make_schedule", "to_json", "to_json_dict", "from_json", "to_csv", "from_csv", "load",
 ]

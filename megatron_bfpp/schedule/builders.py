@@ -1,9 +1,12 @@
 """Schedule builders: the only place where pipeline ordering is decided.
 
-Each builder returns, per pipeline rank, the order of F and B actions. Stage s lives on rank s mod P.
+Each builder returns, per pipeline rank, the order of compute actions: F and B, or F, I and W for the split
+backward schedules. Stage s lives on rank s mod P.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from .ir import Action, Op, Schedule, ScheduleError, SCHEDULE_NAMES
 
@@ -152,6 +155,110 @@ def breadth_first(
     return Schedule("breadth-first", pp, vp, microbatches, g, ranks, forward_only=forward_only)
 
 
+def zero_bubble(pp: int, vp: int, microbatches: int, forward_only: bool = False, name: str = "interleaved-zb") -> Schedule:
+    """Interleaved zero bubble (Qi et al.'s ZB1P): the order of PyTorch's `ScheduleInterleavedZeroBubble`.
+
+    Micro-batches go in rounds of M / max(1, M // P); rank r runs (V - 1) * round + P - 1 - r warm-up
+    forwards, then F I pairs, and from its (r + 1)-th pair on one W (the oldest pending) after each; the
+    remaining I's, each followed by a W once r of them are pending, then the remaining W's. With V = 1 it is
+    ZB-H1 (`zb-h1`).
+    """
+    _check_common(pp, vp, microbatches)
+    rounds = max(1, microbatches // pp)
+    if microbatches % rounds:
+        raise ScheduleError(
+            f"--pipeline-schedule {name} needs M a multiple of its number of rounds M // P = {rounds} (got "
+            f"M={microbatches}): choose M <= P or a multiple of {rounds}")
+    per_round = microbatches // rounds
+    total = vp * microbatches
+    ranks = []
+    for r in range(pp):
+        def stage(step: int, backward: bool, warmup: int) -> int:
+            k = (step - warmup) // per_round if backward else step // per_round
+            local = (vp - 1 - k % vp) if backward else k % vp
+            return local * pp + r
+
+        warmup = min((vp - 1) * per_round + pp - 1 - r, total)
+        if forward_only:
+            nxt: dict[int, int] = {}
+            acts = []
+            for step in range(total):
+                st = stage(step, False, 0)
+                acts.append(Action(Op.F, st, nxt.get(st, 0)))
+                nxt[st] = nxt.get(st, 0) + 1
+            ranks.append(acts)
+            continue
+        next_mb = {Op.F: {}, Op.I: {}, Op.W: {}}  # type: dict[Op, dict[int, int]]
+
+        def take(op: Op, st: int) -> Action:
+            m = next_mb[op].get(st, 0)
+            next_mb[op][st] = m + 1
+            return Action(op, st, m)
+
+        acts = []
+        pending: list[int] = []  # stages of I's whose W is still to run, oldest first
+        for step in range(total + warmup):
+            if step < total:
+                acts.append(take(Op.F, stage(step, False, 0)))
+            if step >= warmup:
+                st = stage(step, True, warmup)
+                acts.append(take(Op.I, st))
+                pending.append(st)
+                if step - warmup >= r:
+                    acts.append(take(Op.W, pending.pop(0)))
+        acts += [take(Op.W, st) for st in pending]
+        ranks.append(acts)
+    return Schedule(name, pp, vp, microbatches, None, ranks, forward_only=forward_only)
+
+
+def breadth_first_zero_bubble(pp: int, vp: int, microbatches: int, group_size: int | None = None,
+                              forward_only: bool = False) -> Schedule:
+    """Breadth-first with W deferral: the breadth-first order with each backward split into I and W; the W's
+    wait in a per-rank queue and run, oldest first, in the slots where the rank would otherwise idle, or as
+    soon as G of them (the group size, default M) are pending, and all before the step ends.
+
+    The idle slots come from running the order on nominal durations (F = I = W = 1, the ratios of Qi et al.
+    for a transformer layer), every rank in lockstep.
+    """
+    base = breadth_first(pp, vp, microbatches, group_size, forward_only)
+    if forward_only:
+        return dataclasses.replace(base, name="breadth-first-zb")
+    lag = base.group_size or microbatches
+    last = pp * vp - 1
+    queues = [[Action(Op.I, a.stage, a.microbatch) if a.op == Op.B else a for a in acts] for acts in base.ranks]
+    done: dict[tuple[Op, int, int], int] = {}  # (op, stage, microbatch) -> tick it ran in
+    out: list[list[Action]] = [[] for _ in range(pp)]
+    pcs = [0] * pp
+    pending: list[list[Action]] = [[] for _ in range(pp)]
+
+    def ready(a: Action, tick: int) -> bool:
+        if a.op == Op.F:
+            dep = None if a.stage == 0 else (Op.F, a.stage - 1, a.microbatch)
+        else:
+            dep = (Op.F, a.stage, a.microbatch) if a.stage == last else (Op.I, a.stage + 1, a.microbatch)
+        return dep is None or done.get(dep, tick) < tick  # type: ignore[arg-type]
+
+    tick = 0
+    while any(pcs[r] < len(queues[r]) or pending[r] for r in range(pp)):
+        ran = []
+        for r in range(pp):
+            nxt = queues[r][pcs[r]] if pcs[r] < len(queues[r]) else None
+            if pending[r] and (len(pending[r]) >= lag or nxt is None or not ready(nxt, tick)):
+                ran.append((r, pending[r].pop(0)))
+            elif nxt is not None and ready(nxt, tick):
+                pcs[r] += 1
+                ran.append((r, nxt))
+                if nxt.op == Op.I:
+                    pending[r].append(Action(Op.W, nxt.stage, nxt.microbatch))
+        if not ran and tick > 4 * sum(len(q) for q in queues):
+            raise ScheduleError("internal: breadth-first-zb order does not complete")
+        for r, a in ran:
+            out[r].append(a)
+            done[(a.op, a.stage, a.microbatch)] = tick  # type: ignore[index]
+        tick += 1
+    return dataclasses.replace(base, name="breadth-first-zb", ranks=out)
+
+
 def build(
     name: str,
     pp: int,
@@ -174,4 +281,17 @@ def build(
         return interleaved_1f1b(pp, vp, microbatches, group_size, forward_only)
     if name == "breadth-first":
         return breadth_first(pp, vp, microbatches, group_size, forward_only)
+    if name == "breadth-first-zb":
+        return breadth_first_zero_bubble(pp, vp, microbatches, group_size, forward_only)
+    if name in ("interleaved-zb", "zb-h1"):
+        if group_size is not None:
+            raise ScheduleError(f"--group-size does not apply to --pipeline-schedule {name} (its rounds follow "
+                                "from M and P): drop it")
+        if name == "zb-h1" and vp != 1:
+            raise ScheduleError(f"--pipeline-schedule zb-h1 runs one stage per rank (V = 1, got V = {vp}): use "
+                                "interleaved-zb for virtual stages")
+        if name == "interleaved-zb" and vp < 2:
+            raise ScheduleError("--pipeline-schedule interleaved-zb needs virtual stages (V >= 2): use zb-h1 for "
+                                "V = 1")
+        return zero_bubble(pp, vp, microbatches, forward_only, name)
     raise ScheduleError(f"unknown --schedule (--pipeline-schedule) {name!r}: choose one of {', '.join(SCHEDULE_NAMES)}")

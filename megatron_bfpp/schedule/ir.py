@@ -13,7 +13,9 @@ from dataclasses import dataclass, field, replace
 
 class Op(str, enum.Enum):
     F = "F"  # forward of one (stage, microbatch)
-    B = "B"  # backward of one (stage, microbatch)
+    B = "B"  # backward of one (stage, microbatch): input and weight gradients together
+    I = "I"  # noqa: E741  # split backward, part 1: the gradient w.r.t. the stage input (what stage - 1 waits for)
+    W = "W"  # split backward, part 2: the weight gradients (nothing downstream waits for them)
     SEND_F = "SEND_F"  # send stage's forward output to stage + 1
     RECV_F = "RECV_F"  # receive stage's forward input from stage - 1
     SEND_B = "SEND_B"  # send gradient of stage's input to stage - 1
@@ -26,11 +28,15 @@ class Op(str, enum.Enum):
         return self.value
 
 
-COMPUTE_OPS = frozenset({Op.F, Op.B})
+COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W})
+BACKWARD_OPS = frozenset({Op.B, Op.I, Op.W})  # ops that touch a stage's gradients
+INPUT_GRAD_OPS = frozenset({Op.B, Op.I})  # ops that produce the gradient of the stage input
 P2P_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
 DP_OPS = frozenset({Op.GATHER, Op.RELEASE, Op.REDUCE})
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first", "breadth-first-zb", "interleaved-zb",
+                  "zb-h1")
+SPLIT_BACKWARD_SCHEDULES = ("breadth-first-zb", "interleaved-zb", "zb-h1")
 
 
 class ScheduleError(ValueError):
@@ -115,7 +121,7 @@ class Action:
 
 
 _ACTION_RE = re.compile(
-    r"(SEND_F|RECV_F|SEND_B|RECV_B|GATHER|RELEASE|REDUCE|F|B)(\d+)(?::(\d+))?(?:@(\d+))?(?:/([A-Za-z_][\w-]*))?"
+    r"(SEND_F|RECV_F|SEND_B|RECV_B|GATHER|RELEASE|REDUCE|F|B|I|W)(\d+)(?::(\d+))?(?:@(\d+))?(?:/([A-Za-z_][\w-]*))?"
 )
 
 

@@ -9,7 +9,7 @@ Data parallel, over "runs" (maximal stretches of consecutive compute actions on 
   current run starts (prefetch); when all buffers are taken, the gathered stage used furthest in the future
   is released right after its last run so far. Everything still gathered is released at the end of the step.
 - ZeRO-2/3 keep at most `grad_buffers` full-size gradient buffers. A stage's gradient is reduce-scattered
-  right after its last backward of the accumulation group (the breadth-first group, otherwise the step), or
+  right after its last backward (B, or W for a split backward) of the accumulation group (the breadth-first group, otherwise the step), or
   earlier when its buffer must be handed to another stage.
 - ZeRO-1 keeps full gradients and reduce-scatters each stage once, right after its last backward of the step.
 """
@@ -18,18 +18,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from .ir import COMPUTE_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError
+from .ir import COMPUTE_OPS, INPUT_GRAD_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError
+
+# Ops that write a stage's weight gradients: they need its gradient buffer, and its REDUCE follows the last.
+GRAD_WRITE_OPS = frozenset({Op.B, Op.W})
 
 
 # Nominal compute durations used to decide where transfers go (the order, not the timing, is what matters).
-NOMINAL_FORWARD, NOMINAL_BACKWARD = 1.0, 2.0
+NOMINAL = {Op.F: 1.0, Op.B: 2.0, Op.I: 1.0, Op.W: 1.0}
 
 
 def _message(schedule: Schedule, a: Action) -> tuple[str, int, int, int] | None:
     """(kind, producing stage, microbatch, consumer rank) of the message a compute action sends, if any."""
     if a.op == Op.F and a.stage < schedule.num_stages - 1:
         return ("F", a.stage, a.microbatch, schedule.rank_of(a.stage + 1))  # type: ignore[return-value]
-    if a.op == Op.B and a.stage > 0:
+    if a.op in INPUT_GRAD_OPS and a.stage > 0:
         return ("B", a.stage, a.microbatch, schedule.rank_of(a.stage - 1))  # type: ignore[return-value]
     return None
 
@@ -38,7 +41,7 @@ def _needs(schedule: Schedule, a: Action) -> tuple[str, int, int] | None:
     """(kind, producing stage, microbatch) of the message a compute action consumes, if any."""
     if a.op == Op.F and a.stage > 0:
         return ("F", a.stage - 1, a.microbatch)  # type: ignore[return-value]
-    if a.op == Op.B and a.stage < schedule.num_stages - 1 and not schedule.forward_only:
+    if a.op in INPUT_GRAD_OPS and a.stage < schedule.num_stages - 1 and not schedule.forward_only:
         return ("B", a.stage + 1, a.microbatch)  # type: ignore[return-value]
     return None
 
@@ -114,9 +117,9 @@ def add_p2p(schedule: Schedule) -> Schedule:
                     inbox[r].discard(need)
                 out[r].append((a, (t, round_)))
                 pc[r] += 1
-                free_at[r] = t + (NOMINAL_FORWARD if a.op == Op.F else NOMINAL_BACKWARD)
+                free_at[r] = t + NOMINAL[a.op]
                 msg = _message(schedule, a)
-                if msg is not None and not (schedule.forward_only and a.op == Op.B):
+                if msg is not None:
                     produced_at[r].append((free_at[r], msg))
                 progressed = True
         upcoming = [free_at[r] for r in range(pp) if free_at[r] > t]
@@ -151,7 +154,7 @@ def _batch(timed: list[tuple[Action, tuple[float, int]]]) -> list[Action]:
 
 def accumulation_group(schedule: Schedule, microbatch: int) -> int:
     """Index of the gradient-accumulation group of a micro-batch (breadth-first groups; else one per step)."""
-    if schedule.name == "breadth-first" and schedule.group_size:
+    if schedule.name in ("breadth-first", "breadth-first-zb") and schedule.group_size:
         return microbatch // schedule.group_size
     return 0
 
@@ -213,7 +216,7 @@ def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int
 
     def next_use(stage: int, after: int, want_backward: bool = False) -> int:
         for j in range(after + 1, len(runs)):
-            if stages[j] == stage and (not want_backward or any(a.op == Op.B for a in runs[j])):
+            if stages[j] == stage and (not want_backward or any(a.op in GRAD_WRITE_OPS for a in runs[j])):
                 return j
         return len(runs) + 1  # never again this step
 
@@ -255,9 +258,9 @@ def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int
     def scope_of(run: list[Action]) -> int:
         if zero == 1:
             return 0
-        return accumulation_group(schedule, next(a.microbatch for a in run if a.op == Op.B))  # type: ignore[arg-type]
+        return accumulation_group(schedule, next(a.microbatch for a in run if a.op in GRAD_WRITE_OPS))  # type: ignore[arg-type]
 
-    bwd_runs = [i for i, r in enumerate(runs) if any(a.op == Op.B for a in r)]
+    bwd_runs = [i for i, r in enumerate(runs) if any(a.op in GRAD_WRITE_OPS for a in r)]
     last_bwd_of_scope: set[int] = set()
     seen: set[tuple[int, int]] = set()
     for i in reversed(bwd_runs):
@@ -289,7 +292,7 @@ def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int
         others = [a for a in post[i] if a.op != Op.REDUCE]
         cut = len(run)
         if reduces:
-            cut = max(k for k, a in enumerate(run) if a.op == Op.B) + 1
+            cut = max(k for k, a in enumerate(run) if a.op in GRAD_WRITE_OPS) + 1
             if cut < len(run) and run[cut].op == Op.SEND_B:
                 cut += 1
         out += pre[i] + run[:cut] + reduces + run[cut:] + others

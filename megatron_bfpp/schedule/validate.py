@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from .ir import COMPUTE_OPS, DP_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError
+from .ir import BACKWARD_OPS, COMPUTE_OPS, DP_OPS, INPUT_GRAD_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError
 
 
 def check_compute(schedule: Schedule) -> None:
-    """Exactly one F (and one B unless forward-only) per (stage, microbatch), on the owning rank."""
+    """Per (stage, microbatch), on the owning rank: exactly one F and, unless forward-only, either one B or one
+    I followed later by one W (split backward)."""
     if len(schedule.ranks) != schedule.pp:
         raise ScheduleError(f"schedule has {len(schedule.ranks)} rank lists for pp={schedule.pp}")
     s_count, m_count = schedule.num_stages, schedule.microbatches
@@ -39,13 +40,22 @@ def check_compute(schedule: Schedule) -> None:
         for (op, s, m), n in counts.items():
             if n > 1:
                 raise ScheduleError(f"rank {r}: {Action(op, s, m).text} appears {n} times")
-        ops = (Op.F,) if schedule.forward_only else (Op.F, Op.B)
+        pos = {(a.op, a.stage, a.microbatch): i for i, a in enumerate(actions) if a.op in COMPUTE_OPS}
         for s in schedule.stages_of(r):
             for m in range(m_count):
-                for op in ops:
-                    if (op, s, m) not in counts:
-                        raise ScheduleError(f"rank {r}: {Action(op, s, m).text} is missing")
-        if schedule.forward_only and any(op == Op.B for op, _, _ in counts):
+                if (Op.F, s, m) not in counts:
+                    raise ScheduleError(f"rank {r}: {Action(Op.F, s, m).text} is missing")
+                if schedule.forward_only:
+                    continue
+                fused, i_, w_ = ((op, s, m) in counts for op in (Op.B, Op.I, Op.W))
+                if fused and (i_ or w_):
+                    raise ScheduleError(f"rank {r}: stage {s} micro-batch {m} has both B and a split backward (I/W)")
+                if not fused and not (i_ and w_):
+                    want = "B (or I and W)" if not (i_ or w_) else ("W" if i_ else "I")
+                    raise ScheduleError(f"rank {r}: stage {s} micro-batch {m} misses its {want}")
+                if i_ and pos[(Op.W, s, m)] < pos[(Op.I, s, m)]:
+                    raise ScheduleError(f"rank {r} step {pos[(Op.W, s, m)]}: W{s}:{m} runs before I{s}:{m}")
+        if schedule.forward_only and any(op in BACKWARD_OPS for op, _, _ in counts):
             raise ScheduleError(f"rank {r}: forward-only schedule contains backward actions")
 
 
@@ -61,11 +71,13 @@ def _deps(schedule: Schedule, a: Action) -> list[tuple[int, Action]]:
         if local:
             return [(schedule.rank_of(s), Action(Op.F, s - 1, m))]
         return [(schedule.rank_of(s), Action(Op.RECV_F, s, m)), (schedule.rank_of(s - 1), Action(Op.SEND_F, s - 1, m))]
-    if a.op == Op.B:
+    if a.op == Op.W:
+        return [(schedule.rank_of(s), Action(Op.I, s, m))]
+    if a.op in INPUT_GRAD_OPS:
         deps = [(schedule.rank_of(s), Action(Op.F, s, m))]
         if s < last:
             if local:
-                deps.append((schedule.rank_of(s), Action(Op.B, s + 1, m)))
+                deps.append((schedule.rank_of(s), Action(_input_grad_op(schedule, s + 1, m), s + 1, m)))
             else:
                 deps += [(schedule.rank_of(s), Action(Op.RECV_B, s, m)),
                          (schedule.rank_of(s + 1), Action(Op.SEND_B, s + 1, m))]
@@ -73,8 +85,15 @@ def _deps(schedule: Schedule, a: Action) -> list[tuple[int, Action]]:
     if a.op == Op.SEND_F:
         return [(schedule.rank_of(s), Action(Op.F, s, m))]
     if a.op == Op.SEND_B:
-        return [(schedule.rank_of(s), Action(Op.B, s, m))]
+        return [(schedule.rank_of(s), Action(_input_grad_op(schedule, s, m), s, m))]
     return []
+
+
+def _input_grad_op(schedule: Schedule, stage: int, microbatch: int) -> Op:
+    """I when the (stage, microbatch)'s backward is split, else B."""
+    split = schedule.__dict__.setdefault("_split_backward", {
+        (a.stage, a.microbatch) for acts in schedule.ranks for a in acts if a.op == Op.I})
+    return Op.I if (stage, microbatch) in split else Op.B
 
 
 def _channel(schedule: Schedule, a: Action) -> tuple[int, int] | None:
@@ -266,7 +285,7 @@ def simulate_nccl(schedule: Schedule, single_queue: bool = False) -> None:
                 deps = []
                 if a.op == Op.F and a.stage > 0:
                     deps.append(pos.get(Action(Op.RECV_F, a.stage, a.microbatch)))
-                if a.op == Op.B:
+                if a.op in INPUT_GRAD_OPS:
                     deps.append(pos.get(Action(Op.RECV_B, a.stage, a.microbatch)))
                     deps.append(pos.get(Action(Op.SEND_F, a.stage, a.microbatch)))  # output sent before its backward
                 needs[(r, i)] = [d for d in deps if d is not None]
@@ -374,14 +393,16 @@ def check_reduce(schedule: Schedule) -> None:
         return
     for r, acts in enumerate(schedule.ranks):
         for s in schedule.stages_of(r):
-            last_b = max(i for i, a in enumerate(acts) if a.op == Op.B and a.stage == s)
+            last_b = max(i for i, a in enumerate(acts) if a.op in (Op.B, Op.W) and a.stage == s)
             reduces = [i for i, a in enumerate(acts) if a.op == Op.REDUCE and a.stage == s]
             if not reduces or reduces[-1] < last_b:
                 raise ScheduleError(f"rank {r}: stage {s} has no REDUCE after its last backward (step {last_b})")
 
 
 def peak_activations(schedule: Schedule) -> list[int]:
-    """Per rank, the largest number of (stage, microbatch) forward outputs alive (F done, B not yet)."""
+    """Per rank, the largest number of (stage, microbatch) forward activations alive (F done, B or I not yet).
+    What a pending W keeps (the inputs of the weight GEMMs, less than the layer's activations) is counted by
+    `peak_pending_weight_grads`."""
     peaks = []
     for acts in schedule.ranks:
         alive = peak = 0
@@ -389,9 +410,21 @@ def peak_activations(schedule: Schedule) -> list[int]:
             if a.op == Op.F:
                 alive += 1
                 peak = max(peak, alive)
-            elif a.op == Op.B:
+            elif a.op in INPUT_GRAD_OPS:
                 alive -= 1
         peaks.append(peak if not schedule.forward_only else 1 if peak else 0)
+    return peaks
+
+
+def peak_pending_weight_grads(schedule: Schedule) -> list[int]:
+    """Per rank, the largest number of (stage, microbatch) whose I ran and W did not yet."""
+    peaks = []
+    for acts in schedule.ranks:
+        pending = peak = 0
+        for a in acts:
+            pending += 1 if a.op == Op.I else -1 if a.op == Op.W else 0
+            peak = max(peak, pending)
+        peaks.append(peak)
     return peaks
 
 
@@ -406,7 +439,7 @@ def _compute_only_lowering(schedule: Schedule) -> Schedule:
             if a.op == Op.F:
                 out += ([Action(Op.RECV_F, a.stage, a.microbatch)] if a.stage > 0 else []) + [a]
                 out += [Action(Op.SEND_F, a.stage, a.microbatch)] if a.stage < last else []
-            elif a.op == Op.B:
+            elif a.op in INPUT_GRAD_OPS:
                 out += ([Action(Op.RECV_B, a.stage, a.microbatch)] if a.stage < last else []) + [a]
                 out += [Action(Op.SEND_B, a.stage, a.microbatch)] if a.stage > 0 else []
             else:

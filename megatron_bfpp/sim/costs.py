@@ -155,6 +155,8 @@ class Costs:
     optimizer: list[float]  # per pipeline rank
     reduce_buckets: list[int] = field(default_factory=list)  # >1: reduce overlaps the stage's last backward
     param_sync_buckets: list[int] = field(default_factory=list)  # >1: first forward starts after one bucket
+    # Split backward: I (input gradient) takes this share of `backward`, W (weight gradients) the rest.
+    input_grad_share: list[float] = field(default_factory=list)
     dp_overlap: bool = True
     p2p_overlap: bool = True
 
@@ -164,8 +166,10 @@ class Costs:
             self.reduce_buckets = [1] * n
         if not self.param_sync_buckets:
             self.param_sync_buckets = [1] * n
+        if not self.input_grad_share:
+            self.input_grad_share = [0.5] * n
         for name in ("backward", "send_forward", "send_backward", "gather", "reduce", "param_sync",
-                     "reduce_buckets", "param_sync_buckets"):
+                     "reduce_buckets", "param_sync_buckets", "input_grad_share"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Costs.{name} has {len(getattr(self, name))} entries for {n} stages")
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..schedule import Action, Op, Schedule, ScheduleError, add_p2p
+from ..schedule import COMPUTE_OPS, Action, Op, Schedule, ScheduleError, add_p2p
 from ..trace.events import TimelineEvent
 from .costs import Costs
 
@@ -141,7 +141,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
         for st in ranks:
             order: list[int] = []
             for a in sched.ranks[st.r]:
-                if a.op in (Op.F, Op.B) and a.stage not in order:
+                if a.op in COMPUTE_OPS and a.stage not in order:
                     order.append(a.stage)
             for s in order:
                 d = costs.param_sync[s]
@@ -181,13 +181,15 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
         while st.pc < len(acts):
             a = acts[st.pc]
             op, s, m = a.op, a.stage, a.microbatch
-            if op is Op.F or op is Op.B:
+            if op in COMPUTE_OPS:
                 is_f = op is Op.F
-                dur = fwd[s] if is_f else bwd[s]
+                share = costs.input_grad_share[s]
+                dur = {Op.F: fwd[s], Op.B: bwd[s], Op.I: bwd[s] * share, Op.W: bwd[s] * (1 - share)}[op]
+                needs_input = op is not Op.W  # a W needs only its own I, run before it on this rank
                 start = st.compute_free
                 why, why_t, split, wname = -1, start, 0.0, ""
                 # input from another rank
-                if pp > 1 and ((is_f and s > 0) or (not is_f and s < last_stage)):
+                if pp > 1 and needs_input and ((is_f and s > 0) or (not is_f and s < last_stage)):
                     key = (0, s - 1, m) if is_f else (1, s + 1, m)
                     x = sent[key]  # the RECV before this compute guaranteed it exists
                     if x[1] > why_t:
@@ -208,7 +210,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                         why, why_t, wname = _DP, ready, f"GATHER{s}"
                 st.first_use_done.add(s)
                 # gradient buffer (ZeRO-2/3)
-                if not is_f and zero is not None and zero >= 2 and s not in st.grad_resident:
+                if op in (Op.B, Op.W) and zero is not None and zero >= 2 and s not in st.grad_resident:
                     st.grad_resident.add(s)
                     st.gbuf_free.sort()
                     free_t = st.gbuf_free.pop(0) if st.gbuf_free else 0.0
@@ -231,8 +233,9 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                 st.acct[_DP] += end - start - dur  # compute slowed by parameter buckets still arriving
                 st.compute_free = end
                 st.last_end[s] = end
-                compute_end[(0 if is_f else 1, s, m)] = end
-                if not is_f:
+                if op is not Op.W:
+                    compute_end[(0 if is_f else 1, s, m)] = end
+                if op in (Op.B, Op.W):
                     st.last_b[s] = (start, end)
                 if rec:
                     ev(st.r, "compute", a.text, op.value, s, m, start, end)

@@ -77,9 +77,10 @@ def bar_style(e: TimelineEvent, colour_of: dict) -> tuple[dict, float, str | Non
     if e.op == "WAIT":
         kw.update(color=WAIT_COLOUR, edgecolor="#c0392b", hatch="xx")
         return kw, 0.5, None
-    if e.op in ("F", "B"):
+    if e.op in ("F", "B", "I", "W"):
         c = colour_of.get(e.microbatch, (0.5, 0.5, 0.5))
-        kw.update(color=c if e.op == "F" else _darker(c), hatch=None if e.op == "F" else "///")
+        hatch = {"F": None, "B": "///", "I": "\\\\", "W": ".."}[e.op]
+        kw.update(color=c if e.op == "F" else _darker(c), hatch=hatch)
         return kw, 0.8, f"{e.stage}:{e.microbatch}"
     if e.stream == "compute":  # other work on the compute track, e.g. the optimizer step
         kw.update(color=OTHER_COMPUTE_COLOUR)
