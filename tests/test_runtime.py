@@ -15,9 +15,12 @@ CASES = [  # (schedule, P, V, M, group size)
     ("gpipe", 2, 1, 4, None), ("1f1b", 2, 1, 3, None), ("interleaved-1f1b", 2, 2, 4, None),
     ("interleaved-1f1b", 2, 3, 6, 3), ("breadth-first", 2, 2, 4, None), ("breadth-first", 2, 3, 6, 2),
     ("breadth-first", 2, 2, 1, None), ("interleaved-1f1b", 2, 2, 5, 3),
+    ("breadth-first-zb", 2, 2, 4, None), ("breadth-first-zb", 2, 3, 1, None), ("interleaved-zb", 2, 2, 4, None),
+    ("zb-h1", 2, 1, 4, None),
 ]
 CASES_P4 = [("interleaved-1f1b", 4, 2, 8, 4), ("breadth-first", 4, 2, 8, None), ("breadth-first", 4, 2, 6, 3),
-            ("1f1b", 4, 1, 6, None)]
+            ("1f1b", 4, 1, 6, None), ("interleaved-zb", 4, 2, 8, None), ("breadth-first-zb", 4, 2, 2, None),
+            ("zb-h1", 4, 1, 4, None)]
 CASES_P1 = [("breadth-first", 1, 3, 4, None), ("interleaved-1f1b", 1, 2, 3, 1), ("gpipe", 1, 1, 2, None)]
 
 
@@ -51,7 +54,7 @@ def _run_cases(rank: int, world: int, cases) -> list:
         # Evaluation: forward-only with another number of micro-batches.
         for c in chunks:
             c.zero_grad()
-        eval_m = max(1, m - 1) if name != "interleaved-1f1b" else m
+        eval_m = max(1, m - 1) if name not in ("interleaved-1f1b", "interleaved-zb", "zb-h1") else m
         eval_store = fb(forward_step_func=toy.forward_step, data_iterator=[iter(batches) for _ in chunks],
                         model=chunks, num_microbatches=eval_m, seq_length=toy.SEQ, micro_batch_size=toy.MBS,
                         forward_only=True, pg_collection=pg)

@@ -18,10 +18,11 @@ from megatron.core.pipeline_parallel.schedules import (
     forward_step,
 )
 
-from ..schedule.ir import P2P_OPS, Action, Op, Schedule
+from ..schedule.ir import COMPUTE_OPS, P2P_OPS, Action, Op, Schedule
 from .hooks import DataParallelDriver
 from .p2p import PendingTransfer, PipelineP2P
 from .recorder import ActionRecorder
+from .split_backward import PendingWeightGrad, backward_input, backward_weight
 
 
 class PipelineError(RuntimeError):
@@ -87,6 +88,10 @@ class ScheduleExecutor:
         self.global_rank = global_rank
         self.cp_group_size = cp_group_size
         self.forward_only = schedule.forward_only
+        # Split backward (I/W): outputs stay allocated until their I (autograd checks their shapes).
+        self.split_backward = any(a.op == Op.I for a in self.actions)
+        self.deallocate_outputs = bool(config.deallocate_pipeline_outputs) and not self.split_backward
+        self.pending_weight_grads: dict[tuple[int, int], PendingWeightGrad] = {}
         self.last_stage = schedule.num_stages - 1
         self.forward_data_store: list = []
         # On the model's device: the loss function's token count lives there, and finalize reduces it.
@@ -178,7 +183,7 @@ class ScheduleExecutor:
             if a.op == Op.SEND_F and not self.forward_only:
                 out = self.outputs.get((a.stage, a.microbatch))
                 if out is not None:
-                    deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
+                    deallocate_output_tensor(out, self.deallocate_outputs)
 
     # -- actions -----------------------------------------------------------------------------------------------
 
@@ -198,7 +203,7 @@ class ScheduleExecutor:
                     self.recorder.stop(t, posted)  # when it was posted (metrics split a peer's wait there)
                 i = end
                 continue
-            if action.op in (Op.F, Op.B):
+            if action.op in COMPUTE_OPS:
                 self._reap_sends()
                 getattr(self, "_do_" + action.op.value)(action)  # records its waits and its compute apart
             else:
@@ -213,7 +218,7 @@ class ScheduleExecutor:
         self.driver.finish_step()
         if self.recorder and not self.forward_only:
             self.recorder.stop(t, Action(Op.REDUCE, self.schedule.stages_of(self.pp_rank)[0]), wait=True)
-        if self.inputs or self.outputs or self.receives:
+        if self.inputs or self.outputs or self.receives or self.pending_weight_grads:
             raise PipelineError(
                 f"rank {self.global_rank}: schedule {self.schedule.name} left {len(self.outputs)} activations and "
                 f"{len(self.receives)} receives unconsumed"
@@ -272,16 +277,15 @@ class ScheduleExecutor:
             self.outputs[(s, m)] = output
             if self.schedule.pp == 1 and s < self.last_stage:
                 # Only the output's grad_fn is needed from here on (Megatron's pseudo-deallocation).
-                deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
+                deallocate_output_tensor(output, self.deallocate_outputs)
 
-    def _do_B(self, a: Action) -> None:
+    def _backward_operands(self, a: Action) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(input, output, output gradient) of a B or an I, once the output was sent and its gradient came."""
         s, m = a.stage, a.microbatch
-        self._wait_params(s)
-        self._grad_buffer(s)
         send = Action(Op.SEND_F, s, m)
         if send in self.sends:  # our output must be sent (and freed) before its backward
             self._wait(self.sends.pop(send), send, "send")
-            deallocate_output_tensor(self.outputs[(s, m)], self.config.deallocate_pipeline_outputs)
+            deallocate_output_tensor(self.outputs[(s, m)], self.deallocate_outputs)
         if s == self.last_stage:
             output_grad = None
         elif self.schedule.pp == 1:
@@ -291,8 +295,13 @@ class ScheduleExecutor:
             pending = self.receives.pop(recv)
             self._wait(pending, recv, "receive gradient")
             output_grad = pending.tensor
-        input_tensor = self.inputs.pop((s, m))
-        output = self.outputs.pop((s, m))
+        return self.inputs.pop((s, m)), self.outputs.pop((s, m)), output_grad
+
+    def _do_B(self, a: Action) -> None:
+        s, m = a.stage, a.microbatch
+        self._wait_params(s)
+        self._grad_buffer(s)
+        input_tensor, output, output_grad = self._backward_operands(a)
         t = self.recorder.start() if self.recorder else None
         input_grad = backward_step(input_tensor, output, output_grad, self.config)
         if self.recorder:
@@ -300,6 +309,33 @@ class ScheduleExecutor:
         self.activation_bytes -= self.saved_bytes.pop((s, m), 0)
         if s > 0:
             self.input_grads[(s, m)] = input_grad
+
+    def _do_I(self, a: Action) -> None:
+        """Split backward, part 1: the input gradient (what stage - 1 waits for); the graph is kept for W."""
+        s, m = a.stage, a.microbatch
+        self._wait_params(s)
+        input_tensor, output, output_grad = self._backward_operands(a)
+        chunk = self.model[self.schedule.chunk_of(s)]
+        weights = [p for p in chunk.parameters() if p.requires_grad]
+        t = self.recorder.start() if self.recorder else None
+        input_grad, pending = backward_input(input_tensor, output, output_grad, weights, self.config)
+        if self.recorder:
+            self.recorder.stop(t, a)
+        self.pending_weight_grads[(s, m)] = pending
+        if s > 0:
+            self.input_grads[(s, m)] = input_grad
+
+    def _do_W(self, a: Action) -> None:
+        """Split backward, part 2: the weight gradients, accumulated into main_grad as a B would."""
+        s, m = a.stage, a.microbatch
+        self._wait_params(s)
+        self._grad_buffer(s)
+        pending = self.pending_weight_grads.pop((s, m))
+        t = self.recorder.start() if self.recorder else None
+        backward_weight(pending)
+        if self.recorder:
+            self.recorder.stop(t, a)
+        self.activation_bytes -= self.saved_bytes.pop((s, m), 0)
 
     def _do_GATHER(self, a: Action) -> None:
         self.driver.gather(self.schedule.chunk_of(a.stage))

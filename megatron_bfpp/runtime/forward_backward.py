@@ -169,7 +169,7 @@ def get_forward_backward_func(
             group = configured if configured and configured >= pp else pp
         if group is not None:
             group = min(group, num_microbatches)  # evaluation and batch-size ramp-up run fewer micro-batches
-        if pipeline_schedule in ("gpipe", "1f1b"):
+        if pipeline_schedule in ("gpipe", "1f1b", "interleaved-zb", "zb-h1"):
             group = None
         driver, zero = _make_driver(chunks, config)
         if forward_only:
@@ -179,6 +179,8 @@ def get_forward_backward_func(
         schedule = _cached_schedule(pipeline_schedule, pp, vp, num_microbatches, group, zero_for_schedule,
                                     bool(forward_only), weight_buffers, grad_buffers)
         _state["last_schedule"] = schedule
+        if hasattr(driver, "set_buffer_limits"):  # the sharded driver keeps the schedule's buffer bounds
+            driver.set_buffer_limits(schedule.weight_buffers, schedule.grad_buffers)
 
         param = next(chunks[0].parameters())
         device = param.device
