@@ -8,7 +8,11 @@ gradients are reduced only where the schedule's REDUCE calls `config.grad_sync_f
 interleaved-1f1b:
 
 - plain DDP (all-reduce) + FP32Optimizer;
-- the distributed optimizer (reduce-scatter into shards, parameters all-gathered after the step).
+- the distributed optimizer (reduce-scatter into shards, parameters all-gathered after the step);
+- the distributed optimizer with overlapped, aligned parameter gathers: the all-gather of the updated
+  parameters is launched by the driver through `config.param_sync_func` before each chunk's first forward of
+  the next step (Megatron's forward pre-hooks wait for it), as Megatron-LM's train() enables it from the second
+  iteration on.
 
 Each step's loss, grad norm and gradients (Megatron's `main_grad` after the reduction, before clipping) and the
 final parameters equal the single-process reference on the same global batches (fp32).
@@ -22,7 +26,8 @@ import torch
 from tests.distributed import run_distributed
 
 SEQ, VOCAB, GBS, STEPS, LR, CLIP, SEED = 16, 128, 8, 3, 1e-2, 0.6, 11
-RUNS = [("breadth-first", False), ("breadth-first", True), ("interleaved-1f1b", True)]
+RUNS = [("breadth-first", "ddp"), ("breadth-first", "distopt"), ("interleaved-1f1b", "distopt"),
+        ("breadth-first", "distopt-overlap")]
 
 
 def _config(pp: int, vp: int):
@@ -50,7 +55,8 @@ def _megatron_worker(rank: int, world: int, runs) -> list:
     set_wait_timeout(120)
     pp, vp = 2, 2
     results = []
-    for schedule, distributed_optimizer in runs:
+    for schedule, variant in runs:
+        distributed_optimizer, overlap_param_gather = variant != "ddp", variant == "distopt-overlap"
         parallel.init_parallel(pp, vp)
         pp_rank, dp_rank, dp = parallel.pp_rank(), parallel.dp_rank(), parallel.dp_size()
         assert dp == 2
@@ -58,7 +64,9 @@ def _megatron_worker(rank: int, world: int, runs) -> list:
             chunks = build_model_chunks(_config(pp, vp), vocab_size=VOCAB, max_sequence_length=SEQ, pp_rank=pp_rank,
                                         pp_size=pp, vp_size=vp, seed=SEED)
             ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
-                                                       use_distributed_optimizer=distributed_optimizer)
+                                                       use_distributed_optimizer=distributed_optimizer,
+                                                       overlap_param_gather=overlap_param_gather,
+                                                       align_param_gather=overlap_param_gather)
             model = [DistributedDataParallel(get_model_config(c), ddp_config, c, disable_bucketing=i > 0)
                      for i, c in enumerate(chunks)]
             optimizer = get_megatron_optimizer(
@@ -71,6 +79,10 @@ def _megatron_worker(rank: int, world: int, runs) -> list:
             config.grad_sync_func = [m.start_grad_sync for m in model]
             config.finalize_model_grads_func = finalize_model_grads
             config.grad_scale_func = optimizer.scale_loss
+            config.param_sync_func = None  # Megatron-LM: off (and pre-hooks disabled) for the first iteration
+            if overlap_param_gather:
+                for m in model:
+                    m.disable_forward_pre_hook(param_sync=False)
             drivers = []
             make_driver = fb_module._make_driver
 
@@ -86,8 +98,14 @@ def _megatron_worker(rank: int, world: int, runs) -> list:
             forward_backward = get_forward_backward_func(schedule)
             params = global_named_parameters(model, pp_rank, pp)
             losses, norms, grads = [], [], []
+            param_syncs: list[int] = []  # chunk index of each param_sync_func call (the driver's wait_params)
             try:
-                for _ in range(STEPS):
+                for step in range(STEPS):
+                    if overlap_param_gather and step == 1:  # as Megatron-LM's train() after the first step
+                        for m in model:
+                            m.enable_forward_pre_hook()
+                        config.param_sync_func = [_counting(m.start_param_sync, param_syncs, i)
+                                                  for i, m in enumerate(model)]
                     for m in model:
                         m.zero_grad_buffer()
                     optimizer.zero_grad()
@@ -100,13 +118,26 @@ def _megatron_worker(rank: int, world: int, runs) -> list:
                     ok, grad_norm, _ = optimizer.step()
                     assert ok
                     norms.append(float(grad_norm))
+                if overlap_param_gather:  # as Megatron-LM at the end of training: gather the last update
+                    for m in model:
+                        m.disable_forward_pre_hook()
             finally:
                 fb_module._make_driver = make_driver
             assert drivers and all(isinstance(d, MegatronConfigDriver) for d in drivers), drivers
+            # Once per chunk and step, from the second step on, launched by the driver before the chunk's forward.
+            assert param_syncs == ([0, 1] * (STEPS - 1) if overlap_param_gather else []), param_syncs
             final = {n: p.detach().clone() for n, p in params.items()}
         results.append({"losses": losses, "norms": norms, "grads": grads, "params": final, "pp_rank": pp_rank})
         parallel.destroy_parallel()
     return results
+
+
+def _counting(fn, calls: list, index: int):
+    def call(*args, **kwargs):
+        calls.append(index)
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def _full_main_grads(params: dict, distributed_optimizer: bool, model) -> dict:
@@ -171,7 +202,7 @@ def _close(value, expected, where: str, key_bias_atol: float = 0.0) -> None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("index", range(len(RUNS)),
-                         ids=[f"{s}-{'distributed-optimizer' if d else 'ddp'}" for s, d in RUNS])
+                         ids=[f"{s}-{v}" for s, v in RUNS])
 def test_stock_megatron_ddp_under_our_schedule_matches_reference(runs, index):
     ref, per_rank = runs
     covered = set()
