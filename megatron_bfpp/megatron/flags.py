@@ -11,7 +11,8 @@ import argparse
 from typing import Callable
 
 # "default" keeps Megatron's own choice of schedule; the others run the plugin's runtime.
-PIPELINE_SCHEDULES = ("default", "1f1b", "interleaved-1f1b", "breadth-first")
+PIPELINE_SCHEDULES = ("default", "1f1b", "interleaved-1f1b", "breadth-first", "breadth-first-zb", "interleaved-zb",
+                      "zb-h1")
 DEFAULT_BUFFERS = 2
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
