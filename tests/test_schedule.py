@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_bfpp.schedule import (
-    SCHEDULE_NAMES, Action, Op, Schedule, ScheduleError, build, from_csv, from_json, lower, make_schedule, peak_activations,
+    COMPUTE_OPS, SCHEDULE_NAMES, Action, Op, Schedule, ScheduleError, build, from_csv, from_json, lower, make_schedule, peak_activations,
     simulate_order, to_csv, to_json, validate,
 )
 from megatron_bfpp.schedule.builders import interleaved_warmup, megatron_schedule_table
@@ -187,11 +187,17 @@ def test_validation_catches_errors():
 
 @settings(max_examples=150, deadline=None)
 @given(pp=st.integers(1, 6), vp=st.integers(1, 4), m=st.integers(1, 16), gfrac=st.floats(0, 1),
-       name=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "breadth-first"]),
+       name=st.sampled_from(list(SCHEDULE_NAMES)),
        zero=st.sampled_from([None, 1, 2, 3]), nw=st.integers(1, 3), ng=st.integers(1, 3), fo=st.booleans())
 def test_property_every_built_and_lowered_schedule_validates(pp, vp, m, gfrac, name, zero, nw, ng, fo):
-    if name in ("gpipe", "1f1b"):
+    if name in ("gpipe", "1f1b", "zb-h1"):
         vp, g = 1, None
+        if name == "zb-h1" and m % max(1, m // pp):
+            return
+    elif name == "interleaved-zb":
+        g = None
+        if vp < 2 or m % max(1, m // pp):
+            return
     elif name == "interleaved-1f1b":
         if vp < 2 or m < pp:
             return
@@ -206,7 +212,7 @@ def test_property_every_built_and_lowered_schedule_validates(pp, vp, m, gfrac, n
     validate(s)
     lowered = lower(s, zero, nw, ng)
     validate(lowered)
-    assert [a for a in lowered.ranks[0] if a.op in (Op.F, Op.B)] == s.ranks[0]
+    assert [a for a in lowered.ranks[0] if a.op in COMPUTE_OPS] == s.ranks[0]
     if zero == 3:
         for r in range(pp):
             assert lowered.count(r, Op.GATHER) == lowered.count(r, Op.RELEASE)
@@ -235,13 +241,13 @@ def test_cli_json_contract_and_errors():
 
 def _layouts(name: str, pp: int):
     """(V, M, group size) for one builder at one P: M below, at and above P, several group sizes."""
-    vps = (1,) if name in ("gpipe", "1f1b") else (2, 3, 4) if pp < 8 else (2, 4)
+    vps = (1,) if name in ("gpipe", "1f1b", "zb-h1") else (2, 3, 4) if pp < 8 else (2, 4)
     for vp in vps:
         for m in sorted({1, pp - 1, pp, 2 * pp + 1}):
             if m < 1:
                 continue
             groups = {None}
-            if name == "breadth-first":
+            if name in ("breadth-first", "breadth-first-zb"):
                 groups |= {2, max(1, m // 2)}
             elif name == "interleaved-1f1b":
                 groups |= {g for g in (pp + 1, m) if g >= pp and not 0 < m % g < pp}
