@@ -233,6 +233,11 @@ BREADTH_FIRST = {
     "bf-zero1": ["--zero-stage", "1"],
     "bf-zero2": ["--zero-stage", "2"],
     "bf-zero3": ["--zero-stage", "3"],
+    # Megatron's distributed optimizer under the plugin's schedule (no --zero-stage)
+    "bf-distopt": ["--use-distributed-optimizer"],
+    # full activation recomputation: ZeRO-3 must have the weights gathered again for the recomputed forward
+    "bf-zero3-recompute": ["--zero-stage", "3", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "1"],
 }
 
 
@@ -240,7 +245,8 @@ BREADTH_FIRST = {
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", list(BREADTH_FIRST))
 def test_breadth_first_matches_stock(mlm: Runner, case: str) -> None:
-    """P = 2, V = 2, M = 8: breadth-first without and with ZeRO-1/2/3 == stock interleaved 1F1B."""
+    """P = 2, V = 2, M = 8: breadth-first without and with ZeRO-1/2/3 (and Megatron's distributed optimizer,
+    and ZeRO-3 with full recomputation) == stock interleaved 1F1B."""
     run = mlm.run("patched", TINY + P2V2 + ["--pipeline-schedule", "breadth-first", *BREADTH_FIRST[case]])
     ref = stock_ref(mlm)
     assert "megatron_bfpp: installed pipeline schedule breadth-first" in run.output
