@@ -99,7 +99,8 @@ def _microbatches(dataset: GPTDataset, sampler, vocab_size: int, data_path: Any)
             mask = causal_mask(batch["tokens"].shape[1])
         top = int(torch.maximum(batch["tokens"].max(), batch["labels"].max()))
         if top >= vocab_size:
-            raise ValueError(f"--data-path {data_path}: token id {top} >= --vocab-size {vocab_size}; raise "
+            shown = " ".join(map(str, data_path)) if isinstance(data_path, (list, tuple)) else data_path
+            raise ValueError(f"--data-path {shown}: token id {top} >= --vocab-size {vocab_size}; raise "
                              "--vocab-size or rebuild the data with scripts/text_to_megatron.py --vocab-size")
         yield {"tokens": batch["tokens"], "labels": batch["labels"], "loss_mask": batch["loss_mask"],
                "attention_mask": mask, "position_ids": batch["position_ids"]}
