@@ -67,3 +67,60 @@ def test_zero_bubble_matches_single_process(runs, index):
         for name, value in got["params"].items():
             _assert_params_close(value, ref["params"][name], name, f"{RUNS[index]} rank {r} {name}")
     assert set().union(*(per_rank[r][index]["params"] for r in range(4))) == set(ref["params"])
+
+
+def test_split_backward_does_the_fused_backward_work_once():
+    """On a Megatron-Core GPT chunk (local spec), I + W compute the same gradients as one fused backward with the
+    same matmul FLOPs: the weight-gradient GEMMs run at W only, the input-gradient GEMMs at I only. Without the
+    plain-matmul path for Megatron's linear Function, its whole backward runs twice (and this test fails)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_bfpp import parallel
+    from megatron_bfpp.data import causal_mask
+    from megatron_bfpp.model import build_model_chunks, make_transformer_config
+    from megatron_bfpp.runtime.split_backward import backward_input, backward_weight, split_friendly_linears
+
+    parallel.init_single_process()
+    try:
+        config = make_transformer_config(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                                         attention_dropout=0.0)
+        chunk = build_model_chunks(config, vocab_size=64, max_sequence_length=16, pp_rank=0, pp_size=1,
+                                   vp_size=2, seed=3)[1]  # a stage with an input tensor
+        weights = [p for p in chunk.parameters() if p.requires_grad]
+        x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(0))
+        g = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
+        mask = causal_mask(16)
+
+        def forward():
+            for p in weights:
+                p.grad = None
+            inp = x.clone().requires_grad_()
+            chunk.set_input_tensor(inp)
+            return inp, chunk(None, None, mask)
+
+        def flops(fn) -> int:
+            with FlopCounterMode(display=False) as counter:
+                fn()
+            return counter.get_total_flops()
+
+        inp, out = forward()
+        fused = flops(lambda: out.backward(g))
+        ref = ([p.grad.clone() for p in weights], inp.grad.clone())
+
+        def split() -> tuple[int, list, torch.Tensor]:
+            inp, out = forward()
+            box = {}
+            n = flops(lambda: box.update(zip(("dx", "w"), backward_input(inp, out, g, weights, chunk.config))))
+            n += flops(lambda: backward_weight(box["w"]))
+            return n, [p.grad.clone() for p in weights], box["dx"]
+
+        unadapted, _, _ = split()
+        assert split_friendly_linears(chunk) > 0
+        adapted, grads, dx = split()
+        assert adapted == fused < unadapted
+        torch.testing.assert_close(dx, ref[1], rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads, ref[0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    finally:
+        parallel.destroy_parallel()

@@ -22,7 +22,7 @@ from ..schedule.ir import COMPUTE_OPS, P2P_OPS, Action, Op, Schedule
 from .hooks import DataParallelDriver
 from .p2p import PendingTransfer, PipelineP2P
 from .recorder import ActionRecorder
-from .split_backward import PendingWeightGrad, backward_input, backward_weight
+from .split_backward import PendingWeightGrad, backward_input, backward_weight, split_friendly_linears
 
 
 class PipelineError(RuntimeError):
@@ -92,6 +92,9 @@ class ScheduleExecutor:
         self.split_backward = any(a.op == Op.I for a in self.actions)
         self.deallocate_outputs = bool(config.deallocate_pipeline_outputs) and not self.split_backward
         self.pending_weight_grads: dict[tuple[int, int], PendingWeightGrad] = {}
+        if self.split_backward:
+            for chunk in self.model:
+                split_friendly_linears(chunk)
         self.last_stage = schedule.num_stages - 1
         self.forward_data_store: list = []
         # On the model's device: the loss function's token count lives there, and finalize reduces it.

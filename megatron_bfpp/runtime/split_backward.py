@@ -10,6 +10,14 @@ wrapper add them into `main_grad` exactly as they do for a B.
 Stage 0 has no input tensor to differentiate: its I does nothing and its W is the whole backward (nothing
 upstream waits for it). Loss scaling on the last stage follows Megatron's `backward_step`. Outputs of split
 schedules are not pseudo-deallocated (autograd checks their shapes), which keeps one output per pending I.
+
+A custom autograd Function computes all its input gradients together, so a layer implemented as one would
+run its whole backward at I and again at W. Megatron-Core's local linear layers are such a Function
+(`LinearWithGradAccumulationAndAsyncCommunication`); where it reduces to a plain matmul (no tensor-parallel
+communication, no fused gradient accumulation, no deferred embedding wgrad) `split_friendly_linears` runs
+the same ops as built-in autograd nodes instead, which compute only the gradient asked for: the input
+gradient at I, the weight gradient at W. Elsewhere (TransformerEngine layers, tensor parallelism) the
+layer's backward runs at both: exact, but the split then saves no work there.
 """
 
 from __future__ import annotations
@@ -20,6 +28,38 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
+
+
+def _plain_matmul_impl(original):
+    """A `_forward_impl` that computes Megatron's linear with built-in autograd ops when that is all it is."""
+
+    def forward_impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+                     sequence_parallel=False, grad_output_buffer=None, *args, **kwargs):
+        plain = (weight.requires_grad and not gradient_accumulation_fusion and not allreduce_dgrad
+                 and not sequence_parallel and grad_output_buffer is None and not args
+                 and kwargs.get("gtp_remat_size", 1) == 1)
+        if not plain:
+            return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                            grad_output_buffer, *args, **kwargs)
+        output = torch.matmul(input, weight.t())  # the Function's forward, op for op
+        return output + bias if bias is not None else output
+
+    return forward_impl
+
+
+def split_friendly_linears(chunk: torch.nn.Module) -> int:
+    """Give the chunk's Megatron-Core local linear layers the plain-matmul path (idempotent); returns how many."""
+    try:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    except ImportError:  # megatron-core without these layers: nothing to adapt
+        return 0
+    count = 0
+    for module in chunk.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not getattr(module, "_bfpp_split", False):
+            module._forward_impl = _plain_matmul_impl(module._forward_impl)
+            module._bfpp_split = True
+            count += 1
+    return count
 
 
 @dataclass
