@@ -423,20 +423,36 @@ SIGNATURE = re.compile(r"TypeError: ([\w.]+\(\) (?:missing \d+ required position
                        r"keyword argument|takes \d+ positional arguments? but)[^\n]*)")
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", ["v016-bf", "v016-bf-zero3-launch"])
-def test_core_v0_16_1_matches_stock(mlm016: Runner, case: str) -> None:
-    """The same comparison on Megatron-LM core_v0.16.1 (its own megatron package, Python 3.12): breadth-first,
-    and ZeRO-3 through the launcher, against stock interleaved 1F1B."""
-    mode, extra = ("patched", []) if case == "v016-bf" else ("launch", ["--zero-stage", "3"])
-    run = mlm016.run(mode, TINY + P2V2 + ["--pipeline-schedule", "breadth-first", *extra], expect_ok=False)
-    assert "megatron_bfpp: installed pipeline schedule breadth-first" in run.output, _tail(run.output)
+def _plugin_run_016(mlm016: Runner, mode: str, args: list[str]) -> Run:
+    run = mlm016.run(mode, args, expect_ok=False)
+    assert "megatron_bfpp: installed pipeline schedule" in run.output, _tail(run.output)
     bad = SIGNATURE.search(run.output)
     if bad and not run.records:
         pytest.skip(f"the plugin installs on core_v0.16.1 but its runtime cannot drive 0.16.1's schedule helpers: "
                     f"{bad.group(1)} (megatron_bfpp.runtime calls them with megatron-core 0.19's signatures)")
-    assert run.records and run.iterations(), _tail(run.output)
-    ref = mlm016.run("stock", TINY + P2V2)
+    assert run.records and run.iterations() == [1, 2, 3, 4], _tail(run.output)
+    return run
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["v016-1f1b-zero3", "v016-bf-zero3-launch"])
+def test_core_v0_16_1_matches_reference(mlm016: Runner, case: str) -> None:
+    """The comparison, smaller, on Megatron-LM core_v0.16.1 (its own megatron package, Python 3.12).
+
+    - v016-1f1b-zero3: the plugin's 1F1B with ZeRO-3 (P = 2, V = 1) against stock 1F1B, same layout.
+    - v016-bf-zero3-launch: breadth-first with ZeRO-3 through the launcher (P = 2, V = 2) against the plugin's
+      interleaved-1f1b at the same layout (patched script). Stock 0.16.1 interleaving is no reference on gloo:
+      at P = 2 its forward and backward p2p between the same two ranks can pair out of order (NaN or changing
+      losses from run to run here); 0.19 fixed it, and there the plugin's interleaved-1f1b equals stock.
+    """
+    if case == "v016-1f1b-zero3":
+        p2 = ["--pipeline-model-parallel-size", "2"]
+        run = _plugin_run_016(mlm016, "patched", TINY + p2 + ["--pipeline-schedule", "1f1b", "--zero-stage", "3"])
+        ref = mlm016.run("stock", TINY + p2)
+    else:
+        ref = _plugin_run_016(mlm016, "patched", TINY + P2V2 + ["--pipeline-schedule", "interleaved-1f1b"])
+        run = _plugin_run_016(mlm016, "launch", TINY + P2V2 + ["--pipeline-schedule", "breadth-first",
+                                                               "--zero-stage", "3"])
     assert ref.iterations() == [1, 2, 3, 4], _tail(ref.output)
     assert_same_training(run, ref)
     assert_same_validation(run, ref)
