@@ -20,14 +20,16 @@ from megatron_bfpp.runtime.p2p import PipelineP2P
 
 
 @contextlib.contextmanager
-def strict_p2p(timeout_s: float = 60.0) -> Iterator[None]:
-    store = dist.distributed_c10d._get_default_store()
-    me = dist.get_rank()
+def strict_p2p(timeout_s: float = 60.0, prefix: str = "strict") -> Iterator[None]:
+    """Within the context, p2p posts wait for their partners. Every rank must enter it with the same `prefix`,
+    unique among the contexts of one job (the store keys count messages from the context's start)."""
     counters: dict[tuple[str, int, int, str], int] = {}
     original = PipelineP2P.post
 
     def post(self: PipelineP2P, ops: list) -> None:
         original(self, ops)
+        store = dist.distributed_c10d._get_default_store()
+        me = dist.get_rank()
         waits = []
         for op, _ in ops:
             channel = next(name for name, g in self.groups.items() if g is op.group)
@@ -36,8 +38,8 @@ def strict_p2p(timeout_s: float = 60.0) -> Iterator[None]:
             kind = "send" if sending else "recv"
             k = counters.get((channel, src, dst, kind), 0)
             counters[(channel, src, dst, kind)] = k + 1
-            store.set(f"strict/{channel}/{src}->{dst}/{k}/{kind}", "1")
-            waits.append(f"strict/{channel}/{src}->{dst}/{k}/{'recv' if sending else 'send'}")
+            store.set(f"{prefix}/{channel}/{src}->{dst}/{k}/{kind}", "1")
+            waits.append(f"{prefix}/{channel}/{src}->{dst}/{k}/{'recv' if sending else 'send'}")
         try:
             store.wait(waits, datetime.timedelta(seconds=timeout_s))
         except Exception as e:

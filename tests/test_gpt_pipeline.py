@@ -12,15 +12,17 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.strict_p2p import strict_p2p
 
 HIDDEN, HEADS, SEQ, MBS, VOCAB, STEPS, LR = 16, 2, 8, 2, 64, 3, 1e-2
 
 P2_CASES = [  # (schedule, V, M, group size)
     ("gpipe", 1, 4, None), ("1f1b", 1, 4, None), ("interleaved-1f1b", 2, 4, None), ("breadth-first", 2, 4, None),
     ("breadth-first", 2, 4, 2), ("interleaved-1f1b", 3, 4, 2), ("breadth-first", 3, 4, None),
+    ("breadth-first-zb", 2, 4, None), ("interleaved-zb", 2, 4, None), ("zb-h1", 1, 4, None),
 ]
 P4_CASES = [("interleaved-1f1b", 2, 8, None), ("breadth-first", 2, 8, None), ("breadth-first", 2, 8, 4),
-            ("1f1b", 1, 8, None)]
+            ("1f1b", 1, 8, None), ("interleaved-zb", 2, 8, None)]
 
 
 def _batches(m: int, step: int) -> list[dict]:
@@ -107,8 +109,10 @@ def _pipeline_worker(rank: int, world: int, cases, num_layers: int, recompute: s
         for step in range(STEPS):
             opt.zero_grad()
             batches = _batches(m, step)
-            store = fb(forward_step_func=gpt_forward_step, data_iterator=[iter(batches) for _ in chunks],
-                       model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+            # Sends complete only once their receive is posted, as NCCL's may: the order must not deadlock.
+            with strict_p2p(prefix=f"{name}-{vp}-{m}-{g}-{tied}-{recompute}-{step}"):
+                store = fb(forward_step_func=gpt_forward_step, data_iterator=[iter(batches) for _ in chunks],
+                           model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
             if tied:
                 allreduce_tied_embedding_grads(chunks)
             if store:
