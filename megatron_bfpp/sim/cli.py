@@ -32,6 +32,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="overlap data-parallel communication with compute (off: Megatron-LM as of 2022)")
     p.add_argument("--p2p-overlap", choices=("on", "off"), default="on",
                    help="non-blocking pipeline p2p (off: blocking sends, Megatron-LM as of 2022)")
+    p.add_argument("--split-backward-w", choices=("wgrad-only", "rerun-dgrad"), default="wgrad-only",
+                   help="cost of a W in split-backward schedules: wgrad-only = the weight-gradient GEMMs alone "
+                        "(Qi et al.; TransformerEngine's delayed weight gradients), rerun-dgrad = the fused linear "
+                        "nodes' whole backward again (the runtime on Megatron's layers today)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -47,8 +51,8 @@ def simulate_parser() -> argparse.ArgumentParser:
                    help="default: 1f1b when V = 1, interleaved-1f1b otherwise")
     p.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
                    dest="microbatch_group_size_per_vp_stage",
-                   help="interleaved: Megatron's group size (default P); breadth-first: micro-batches per "
-                        "breadth-first group (default M)")
+                   help="interleaved: Megatron's group size (default P); breadth-first(-zb): micro-batches per "
+                        "breadth-first group, and for -zb the most W's left pending (default M)")
     p.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=1,
                    help="0 = DDP all-reduce, 1 = distributed optimizer, 2, 3 = sharded gradients / weights "
                         "(default 1)")
@@ -64,7 +68,7 @@ def plan_parser() -> argparse.ArgumentParser:
                                 description="Search parallel layouts that fit in memory and rank them by throughput.")
     _common(p)
     p.add_argument("--pipeline-schedule", choices=SCHEDULE_NAMES, action="append", default=None,
-                   help="restrict to this schedule (repeatable; default all)")
+                   help="restrict to this schedule (repeatable; default all, the split-backward ones included)")
     p.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, action="append", default=None,
                    help="restrict to this ZeRO stage (repeatable; default 0-3)")
     p.add_argument("--tensor-model-parallel-size", type=int, action="append", default=None,
@@ -118,7 +122,8 @@ def config_from_args(args: argparse.Namespace, model: GPTModel) -> Config:
         v = model.num_layers // (p * lyr)
     sched = args.pipeline_schedule or ("1f1b" if v == 1 else "interleaved-1f1b")
     return Config(t, p, v, d, b, m, sched, args.zero_stage, args.recompute, args.microbatch_group_size_per_vp_stage,
-                  _on_off(args.dp_overlap), _on_off(args.p2p_overlap), args.weight_buffers, args.grad_buffers)
+                  _on_off(args.dp_overlap), _on_off(args.p2p_overlap), args.weight_buffers, args.grad_buffers,
+                  w_reruns_input_grad=args.split_backward_w == "rerun-dgrad")
 
 
 def _run(prog: str, body, argv: list[str] | None) -> int:
@@ -156,6 +161,9 @@ def _simulate(argv: list[str] | None) -> int:
             ("peak memory", f"{pred.peak_memory_gib:.1f} GiB ({'fits' if pred.fits else 'does NOT fit'} in "
                             f"{hw.usable_memory_bytes / 2**30:.1f} GiB usable)")]
     rows += [(f"  {k}", f"{v:.2f} GiB") for k, v in pred.memory_gib.items() if k != "total"]
+    if cfg.split_backward:
+        rows.append(("pending W's (peak)", f"{max(pred.peak_pending_weight_grads)} per rank, their operands in "
+                                           "activations" + (" (W re-runs dgrad)" if cfg.w_reruns_input_grad else "")))
     for k, v in rows:
         print(f"  {k:<22} {v}")
     return 0
@@ -183,6 +191,7 @@ def _plan(argv: list[str] | None) -> int:
         search_group_size=_on_off(args.group_size_search),
         dp_overlap=_on_off(args.dp_overlap), p2p_overlap=_on_off(args.p2p_overlap),
         max_microbatches=args.max_microbatches,
+        w_reruns_input_grad=args.split_backward_w == "rerun-dgrad",
     )
     res = plan(model, hw, args.gpus, args.global_batch_size, space, args.top)
     if args.json:

@@ -13,6 +13,14 @@ T > 1, the sequence-parallel all-gathers / reduce-scatters on NVLink (two of eac
 not overlapped: Megatron's default). Backward = dgrad + wgrad GEMMs (twice the forward) plus the same
 communication; full recomputation adds one forward to every backward.
 
+Split backward (schedules with I and W ops). The backward time of a stage is shared between I (the gradient
+of the stage input) and W (the weight gradients) by FLOPs, per Qi et al. (ICLR 2024) Table 1: per layer
+I = sbh(24h + 8s), W = 24sbh^2 (`GPTModel.layer_backward_flops`); the output layer and loss half and half;
+a recomputed forward belongs to I (the input gradient cannot start without it). `Costs.input_grad_share`
+carries I / (I + W) per stage. `Config.w_reruns_input_grad` models the runtime on Megatron's fused linear
+nodes (local or TransformerEngine without delayed weight gradients): W re-runs the node's whole backward, so
+the input-gradient GEMMs are paid twice.
+
 Communication. p2p: fixed overhead + link latency + bytes / achieved bandwidth, on NVLink when both pipeline
 ranks share a node, else InfiniBand. Data-parallel collectives are hierarchical rings: a ring inside the node
 over NVLink, then a ring across nodes over InfiniBand on 1/n_in of the data (n_in data-parallel peers per node,
@@ -22,7 +30,8 @@ then pipeline.
 Memory per rank (bytes per parameter; mixed precision with fp32 gradients and Adam, as Megatron with bf16):
 ZeRO-0 (plain DDP) 2 + 4 + 12; ZeRO-1 2 + 4 + 12/D; ZeRO-2 2 + 4/D + 12/D + gradient buffers for
 `grad_buffers` stages; ZeRO-3 (2 + 4 + 12)/D + weight buffers for `weight_buffers` stages + gradient buffers.
-Activations come from the schedule's own order (see `peak_activation_bytes`).
+Activations come from the schedule's own order (see `peak_activation_bytes`); an I frees a micro-batch's
+activations except what its pending W keeps (`Partition.pending_weight_grad_bytes`).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..schedule import COMPUTE_OPS, Op, Schedule
+from ..schedule.ir import INPUT_GRAD_OPS, SPLIT_BACKWARD_SCHEDULES
 from .hardware import Hardware
 from .model import Partition
 
@@ -112,6 +122,41 @@ class Placement:
 
 def layer_times(hw: Hardware, part: Partition, b: int) -> tuple[float, float]:
     """(forward, backward without recompute) seconds of one transformer layer on one micro-batch, per GPU."""
+    fwd, bwd, _ = _layer_times(hw, part, b)
+    return fwd, bwd
+
+
+def layer_input_grad_share(part: Partition) -> float:
+    """I / (I + W) of one transformer layer's backward, from FLOPs (independent of b and T)."""
+    i, w = part.model.layer_backward_flops(1)
+    return i / (i + w)
+
+
+HEAD_INPUT_GRAD_SHARE = 0.5  # output layer: dX = dY W and dW = X^T dY are GEMMs of one size; the loss is tiny
+
+
+def split_backward_times(hw: Hardware, part: Partition, b: int, w_reruns_input_grad: bool = False
+                         ) -> tuple[float, float, float, float]:
+    """(layer I, layer W, head I, head W) seconds on one micro-batch, per GPU, without recompute.
+
+    I + W equals the fused backward of `layer_times` / `head_times`, split by FLOPs; with
+    `w_reruns_input_grad` W also pays the input-gradient GEMMs a second time (the runtime's W on
+    Megatron's fused linear nodes)."""
+    _, lb, gemms = _layer_times(hw, part, b)
+    li = lb * layer_input_grad_share(part)
+    lw = lb - li
+    _, hb = head_times(hw, part, b)
+    hi = hb * HEAD_INPUT_GRAD_SHARE
+    hw_ = hb - hi
+    if w_reruns_input_grad:
+        m = part.model
+        lw += gemms
+        hw_ += gemm_time(hw, b * m.seq_length, m.hidden_size, m.vocab_size / part.tp)
+    return li, lw, hi, hw_
+
+
+def _layer_times(hw: Hardware, part: Partition, b: int) -> tuple[float, float, float]:
+    """(forward, backward, weight-GEMM forward time) of one layer."""
     m, t = part.model, part.tp
     tokens, h, f, s = b * m.seq_length, m.hidden_size, m.ffn, m.seq_length
     gemms = (gemm_time(hw, tokens, h, 3 * h / t) + gemm_time(hw, tokens, h / t, h)
@@ -126,7 +171,7 @@ def layer_times(hw: Hardware, part: Partition, b: int) -> tuple[float, float]:
         tp_comm = 4 * ring_time(hw, 2.0 * tokens * h, t, 1, "all_gather")
     fwd = gemms + attn + elementwise + tp_comm
     bwd = 2 * gemms + 2.5 * attn + 2 * elementwise + tp_comm  # flash-attention backward ~2.5x its forward
-    return fwd, bwd
+    return fwd, bwd, gemms
 
 
 def head_times(hw: Hardware, part: Partition, b: int) -> tuple[float, float]:
@@ -237,6 +282,13 @@ class Config:
     p2p_overlap: bool = True
     weight_buffers: int = 2
     grad_buffers: int = 2
+    # Split-backward schedules only: W re-runs the input-gradient GEMMs too (Megatron's fused linear nodes
+    # without TransformerEngine's delayed weight gradients, as the runtime does today).
+    w_reruns_input_grad: bool = False
+
+    @property
+    def split_backward(self) -> bool:
+        return self.schedule in SPLIT_BACKWARD_SCHEDULES
 
     @property
     def num_gpus(self) -> int:
@@ -252,14 +304,22 @@ def analytic_costs(hw: Hardware, part: Partition, cfg: Config) -> Costs:
     b, n_stages, pp = cfg.micro_batch_size, part.num_stages, cfg.pp
     lf, lb = layer_times(hw, part, b)
     hf, hb = head_times(hw, part, b)
+    li, lw, hi, hw_ = split_backward_times(hw, part, b, cfg.split_backward and cfg.w_reruns_input_grad)
     place = Placement(hw, cfg.tp, cfg.dp, pp)
-    fwd, bwd, sf, sb, ag, red, sync, rb, sbk = [], [], [], [], [], [], [], [], []
+    fwd, bwd, sf, sb, ag, red, sync, rb, sbk, share = [], [], [], [], [], [], [], [], [], []
     for s in range(n_stages):
         st = part.stage(s)
         f = st.layers * lf + (hf if st.last else 0.0)
-        bk = st.layers * lb + (hb if st.last else 0.0)
-        if cfg.recompute:
-            bk += st.layers * lf  # the head is not recomputed
+        recomputed = st.layers * lf if cfg.recompute else 0.0  # the head is not recomputed
+        if cfg.split_backward:
+            i = st.layers * li + (hi if st.last else 0.0) + recomputed  # I needs the recomputed forward
+            w = st.layers * lw + (hw_ if st.last else 0.0)
+            bk = i + w
+            share.append(i / bk if bk > 0 else 0.5)
+        else:
+            bk = st.layers * lb + (hb if st.last else 0.0) + recomputed
+            i = st.layers * li + (hi if st.last else 0.0) + recomputed
+            share.append(i / bk if bk > 0 else 0.5)  # unused by fused B; kept for inspection
         fwd.append(f)
         bwd.append(bk)
         r = s % pp
@@ -283,20 +343,27 @@ def analytic_costs(hw: Hardware, part: Partition, cfg: Config) -> Costs:
         phi = part.rank_params(r)
         shard = phi if cfg.zero_stage == 0 else phi / cfg.dp
         opt.append(ADAM_BYTES_PER_PARAM * shard / (hw.hbm_bandwidth * hw.memory_efficiency) + 10 * hw.kernel_overhead_s)
-    return Costs(fwd, bwd, sf, sb, ag, red, sync, opt, rb, sbk, cfg.dp_overlap, cfg.p2p_overlap)
+    return Costs(fwd, bwd, sf, sb, ag, red, sync, opt, reduce_buckets=rb, param_sync_buckets=sbk,
+                 input_grad_share=share, dp_overlap=cfg.dp_overlap, p2p_overlap=cfg.p2p_overlap)
 
 
 # ---------------------------------------------------------------- memory
 
-def peak_activation_bytes(schedule: Schedule, rank: int, stage_bytes: Callable[[int], float]) -> float:
-    """Largest sum of kept activations over the rank's program order (F adds its stage's bytes, B frees them)."""
+def peak_activation_bytes(schedule: Schedule, rank: int, stage_bytes: Callable[[int], float],
+                          pending_w_bytes: Callable[[int], float] | None = None) -> float:
+    """Largest sum of kept activations over the rank's program order: F adds its stage's bytes, B frees them;
+    an I frees them but keeps `pending_w_bytes` (the weight-GEMM inputs) until its W."""
     alive = peak = 0.0
     for a in schedule.ranks[rank]:
         if a.op == Op.F:
             alive += stage_bytes(a.stage)
-            peak = max(peak, alive)
-        elif a.op == Op.B:
+        elif a.op in INPUT_GRAD_OPS:
             alive -= stage_bytes(a.stage)
+            if a.op == Op.I and pending_w_bytes is not None:
+                alive += pending_w_bytes(a.stage)
+        elif a.op == Op.W and pending_w_bytes is not None:
+            alive -= pending_w_bytes(a.stage)
+        peak = max(peak, alive)
     if schedule.forward_only:
         return max((stage_bytes(a.stage) for a in schedule.ranks[rank] if a.op in COMPUTE_OPS), default=0.0)
     return peak

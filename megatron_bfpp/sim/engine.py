@@ -163,7 +163,9 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
             stall(st, t1, _DP, "dp", a.text, s, None)
         else:
             nb = max(1, costs.reduce_buckets[s])
-            first_ready = b_start + bwd[s] / nb if nb > 1 else b_end
+            # the stage's last backward op (a B, or with a split backward the last W, which produces the
+            # weight gradients) hands its gradients over bucket by bucket
+            first_ready = b_start + (b_end - b_start) / nb if nb > 1 else b_end
             t0 = max(st.dp_free, first_ready)
             t1 = max(t0 + d, b_end + d / nb)
         st.dp_free = t1

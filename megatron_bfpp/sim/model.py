@@ -52,6 +52,15 @@ class GPTModel:
         h, s, f = self.hidden_size, self.seq_length, self.ffn
         return 2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h
 
+    def layer_backward_flops(self, b: int) -> tuple[float, float]:
+        """(I, W) FLOPs of one layer's backward split into the gradient of its input and of its weights (Qi et
+        al., "Zero Bubble Pipeline Parallelism", Table 1; with f = 4h: I = sbh(24h + 8s), W = 24sbh^2 against
+        F = sbh(24h + 4s)). Every weight GEMM has one input-gradient and one weight-gradient GEMM of its own
+        size; the attention matmuls have no weights, and their backward (twice their forward) is all I."""
+        h, s, f = self.hidden_size, self.seq_length, self.ffn
+        gemms = 2 * b * s * (4 * h * h + 2 * h * f)
+        return gemms + 8 * b * s * s * h, gemms
+
     def head_forward_flops(self, b: int) -> float:
         return 2 * b * self.seq_length * self.hidden_size * self.vocab_size
 
@@ -151,6 +160,19 @@ class Partition:
         if st.last:
             # Final LayerNorm input/output (bf16) and the fp32 softmax kept by the vocab-parallel cross entropy.
             n += 4 * sbh + 4 * m.seq_length * b * m.vocab_size
+        return n / self.tp
+
+    def pending_weight_grad_bytes(self, s: int, b: int) -> float:
+        """Bytes a (stage s, micro-batch) keeps between its I and its W, per GPU: the operands of the weight-
+        gradient GEMMs. Per layer the inputs of QKV, projection, fc1, fc2 (2 + 2 + 2 + 8 sbh, bf16) and the
+        gradients of their outputs (6 + 2 + 8 + 2 sbh): 32 sbh (with f = 4h); on the last stage also the
+        output layer's input and the gradient of the logits (2 sbh + 2 s b vocab)."""
+        st, m = self.stage(s), self.model
+        sbh = m.seq_length * b * m.hidden_size
+        per_layer = 2 * (3 * sbh + m.seq_length * b * m.ffn) + 2 * (5 * sbh + m.seq_length * b * m.ffn)
+        n = st.layers * per_layer
+        if st.last:
+            n += 2 * sbh + 2 * m.seq_length * b * m.vocab_size
         return n / self.tp
 
     def working_bytes(self, s: int, b: int) -> float:

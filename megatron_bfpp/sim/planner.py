@@ -14,10 +14,10 @@ import functools
 from dataclasses import dataclass, field
 
 from ..schedule import SCHEDULE_NAMES, ScheduleError
-from .costs import ADAM_BYTES_PER_PARAM, Config, head_times, layer_times, memory_breakdown
+from .costs import ADAM_BYTES_PER_PARAM, Config, head_times, layer_times, memory_breakdown, split_backward_times
 from .hardware import GIB, Hardware
 from .model import GPTModel, Partition
-from .predict import Prediction, check_config, config_dict, memory, predict
+from .predict import BREADTH_FIRST, Prediction, check_config, config_dict, memory, predict
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -35,6 +35,7 @@ class SearchSpace:
     dp_overlap: bool = True
     p2p_overlap: bool = True
     max_microbatches: int = 256  # bounds simulation cost; larger M is reached through larger micro-batches
+    w_reruns_input_grad: bool = False  # split-backward cost: see `Config.w_reruns_input_grad`
 
 
 @dataclass
@@ -96,7 +97,7 @@ def _group_sizes(schedule: str, pp: int, m: int, search: bool) -> list[int | Non
                 out.append(g)
             g *= 2
         return out + [m]
-    if schedule == "breadth-first":
+    if schedule in BREADTH_FIRST:  # breadth-first-zb: the group size also bounds the W lag
         if not search:
             return [m]
         out, g = [], pp
@@ -115,16 +116,25 @@ class _Bounds:
         self.model, self.hw = model, hw
         self._layer = functools.lru_cache(maxsize=None)(lambda tp, b: layer_times(hw, Partition(model, tp, 1, 1), b))
         self._head = functools.lru_cache(maxsize=None)(lambda tp, b: head_times(hw, Partition(model, tp, 1, 1), b))
+        self._split = functools.lru_cache(maxsize=None)(
+            lambda tp, b, rerun: split_backward_times(hw, Partition(model, tp, 1, 1), b, rerun))
 
     def step_lower_bound(self, cfg: Config, part: Partition) -> float:
         lf, lb = self._layer(cfg.tp, cfg.micro_batch_size)
         hf, hb = self._head(cfg.tp, cfg.micro_batch_size)
-        per_layer = lf + lb + (lf if cfg.recompute else 0.0)
+        rc = lf if cfg.recompute else 0.0
+        if cfg.split_backward:
+            li, lw, hi, hw_ = self._split(cfg.tp, cfg.micro_batch_size, cfg.w_reruns_input_grad)
+            lb, hb = li + lw, hi + hw_
+        else:
+            li, hi = lb, hb  # a fused backward is all on the critical path
+        per_layer = lf + lb + rc
         busiest = cfg.microbatches * (part.layers_per_stage * cfg.vp * per_layer + hf + hb)  # rank with the head
         # The last rank (it holds the head) cannot start before P-1 forwards of a stage ran upstream, and after
-        # its last backward P-1 backwards of a stage still follow downstream: whatever the schedule.
-        fill_drain = (cfg.pp - 1) * part.layers_per_stage * per_layer
-        chain = self.model.num_layers * per_layer + hf + hb  # one micro-batch through every stage
+        # its last backward P-1 backwards of a stage still follow downstream: whatever the schedule. With a
+        # split backward the rank's own W's may run during that drain, so only the fill counts.
+        fill_drain = (cfg.pp - 1) * part.layers_per_stage * (lf if cfg.split_backward else per_layer)
+        chain = self.model.num_layers * (lf + li + rc) + hf + hi  # one micro-batch through every stage
         phi = max(part.rank_params(r) for r in (0, cfg.pp - 1))
         shard = phi if cfg.zero_stage == 0 else phi / cfg.dp
         opt = ADAM_BYTES_PER_PARAM * shard / (self.hw.hbm_bandwidth * self.hw.memory_efficiency)
@@ -162,7 +172,7 @@ def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: in
                 for sched in space.schedules:
                     if pp == 1 and sched != "1f1b":
                         continue  # without a pipeline every schedule is 1F1B
-                    if sched in ("gpipe", "1f1b"):
+                    if sched in ("gpipe", "1f1b", "zb-h1"):
                         vps = [1]
                     else:
                         vps = [v for v in (space.vp_sizes or _divisors(model.num_layers // pp))
@@ -172,7 +182,8 @@ def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: in
                         for zero in space.zero_stages:
                             for rc in space.recompute:
                                 base = Config(tp, pp, vp, dp, b, m, sched, zero, rc, None,
-                                              space.dp_overlap, space.p2p_overlap)
+                                              space.dp_overlap, space.p2p_overlap,
+                                              w_reruns_input_grad=space.w_reruns_input_grad)
                                 if m > space.max_microbatches:
                                     bad.append((base, f"M={m} micro-batches per step exceeds the search limit "
                                                       f"{space.max_microbatches}; a larger micro-batch size covers it"))
@@ -183,12 +194,13 @@ def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: in
                                 for gs in groups:
                                     out.append(Config(tp, pp, vp, dp, b, m, sched, zero, rc,
                                                       None if gs == _default(sched, pp, m) else gs,
-                                                      space.dp_overlap, space.p2p_overlap))
+                                                      space.dp_overlap, space.p2p_overlap,
+                                                      w_reruns_input_grad=space.w_reruns_input_grad))
     return out, bad
 
 
 def _default(sched: str, pp: int, m: int) -> int | None:
-    return pp if sched == "interleaved-1f1b" else m if sched == "breadth-first" else None
+    return pp if sched == "interleaved-1f1b" else m if sched in BREADTH_FIRST else None
 
 
 def plan(model: GPTModel, hw: Hardware, gpus: int, global_batch: int, space: SearchSpace = SearchSpace(),

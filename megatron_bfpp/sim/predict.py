@@ -7,6 +7,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from ..schedule import Op, Schedule, ScheduleError, build, lower, validate
+from ..schedule.ir import INPUT_GRAD_OPS
+from ..schedule.validate import peak_pending_weight_grads
 from ..schedule.builders import check_breadth_first, check_interleaved
 from ..trace.events import TimelineEvent
 from .costs import Config, Placement, analytic_costs, memory_breakdown
@@ -14,14 +16,15 @@ from .engine import EngineResult, simulate_schedule
 from .hardware import GIB, Hardware
 from .model import GPTModel, Partition
 
-SINGLE_STAGE = ("gpipe", "1f1b")
+SINGLE_STAGE = ("gpipe", "1f1b", "zb-h1")
+BREADTH_FIRST = ("breadth-first", "breadth-first-zb")  # group size = micro-batches per breadth-first group
 
 
 def default_group_size(schedule: str, pp: int, microbatches: int) -> int | None:
     """Megatron's default for interleaved (P), one breadth-first group of all M micro-batches."""
     if schedule == "interleaved-1f1b":
         return pp
-    if schedule == "breadth-first":
+    if schedule in BREADTH_FIRST:
         return microbatches
     return None
 
@@ -35,7 +38,8 @@ def check_config(model: GPTModel, hw: Hardware, cfg: Config) -> None:
     if cfg.schedule in SINGLE_STAGE and cfg.vp != 1:
         raise ValueError(
             f"--pipeline-schedule {cfg.schedule} runs one stage per rank: drop "
-            "--num-layers-per-virtual-pipeline-stage or use interleaved-1f1b / breadth-first"
+            "--num-layers-per-virtual-pipeline-stage or use a looped schedule (interleaved-1f1b, breadth-first, "
+            "interleaved-zb, breadth-first-zb)"
         )
     if cfg.schedule not in SINGLE_STAGE and cfg.vp < 2:
         raise ValueError(
@@ -46,10 +50,12 @@ def check_config(model: GPTModel, hw: Hardware, cfg: Config) -> None:
     try:
         if cfg.schedule == "interleaved-1f1b":
             check_interleaved(cfg.pp, cfg.vp, cfg.microbatches, g)  # type: ignore[arg-type]
-        elif cfg.schedule == "breadth-first":
+        elif cfg.schedule in BREADTH_FIRST:
             check_breadth_first(cfg.pp, cfg.vp, cfg.microbatches, g)  # type: ignore[arg-type]
         elif cfg.group_size is not None:
             raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage does not apply to {cfg.schedule}: drop it")
+        elif cfg.schedule in ("interleaved-zb", "zb-h1"):
+            built_schedule(cfg.schedule, cfg.pp, cfg.vp, cfg.microbatches, None)  # its rounds must divide M
     except ScheduleError as e:
         raise ValueError(str(e)) from None
 
@@ -90,6 +96,9 @@ class Prediction:
     fits: bool
     per_rank: list[dict]
     dp_collectives: dict[str, list[int]]
+    # Split-backward schedules: per rank, the most (stage, micro-batch) whose I ran and W did not yet (0 with
+    # fused backwards); their bytes are in the activations of `memory_gib`.
+    peak_pending_weight_grads: list[int] = field(default_factory=list)
     events: list[TimelineEvent] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -115,6 +124,7 @@ def config_dict(cfg: Config) -> dict:
             cfg.schedule, cfg.pp, cfg.microbatches),
         "dp_overlap": cfg.dp_overlap,
         "p2p_overlap": cfg.p2p_overlap,
+        "w_reruns_input_grad": cfg.w_reruns_input_grad,
     }
 
 
@@ -126,30 +136,33 @@ def built_schedule(name: str, pp: int, vp: int, microbatches: int, group_size: i
 
 @functools.lru_cache(maxsize=2048)
 def activation_frontier(name: str, pp: int, vp: int, microbatches: int,
-                        group_size: int | None) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per rank, the Pareto-maximal (other stages, last stage) counts of kept activations over its order.
+                        group_size: int | None) -> tuple[tuple[tuple[int, int, int, int], ...], ...]:
+    """Per rank, the Pareto-maximal counts (full activations of other stages, of the last stage, pending W's
+    of other stages, of the last stage) kept at once over its order: an F adds a full activation, a B frees
+    it, an I turns it into a pending W (which keeps only the weight-GEMM operands) and the W frees that.
 
-    Every stage but the last keeps the same bytes per micro-batch, so the peak bytes of a rank is
-    max(n * bytes_other + l * bytes_last) over these points: exact, and independent of b, T and recompute."""
+    Every stage but the last keeps the same bytes per micro-batch, so the peak bytes of a rank is the
+    largest dot product of these points with the four per-item sizes: exact, and independent of b, T and
+    recompute."""
     sched = built_schedule(name, pp, vp, microbatches, group_size)
     last = pp * vp - 1
     out = []
     for acts in sched.ranks:
-        n = l = 0
-        points: set[tuple[int, int]] = {(0, 0)}
+        c = [0, 0, 0, 0]
+        points: set[tuple[int, int, int, int]] = {(0, 0, 0, 0)}
         for a in acts:
+            k = 1 if a.stage == last else 0
             if a.op == Op.F:
-                if a.stage == last:
-                    l += 1
-                else:
-                    n += 1
-                points.add((n, l))
-            elif a.op == Op.B:
-                if a.stage == last:
-                    l -= 1
-                else:
-                    n -= 1
-        out.append(tuple(p for p in points if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points)))
+                c[k] += 1
+            elif a.op in INPUT_GRAD_OPS:
+                c[k] -= 1
+                if a.op == Op.I:
+                    c[2 + k] += 1
+            elif a.op == Op.W:
+                c[2 + k] -= 1
+            points.add(tuple(c))  # type: ignore[arg-type]
+        out.append(tuple(p for p in points
+                         if not any(q != p and all(x >= y for x, y in zip(q, p)) for q in points)))
     return tuple(out)
 
 
@@ -159,9 +172,12 @@ def memory(model: GPTModel, cfg: Config) -> list[dict[str, float]]:
     b = cfg.micro_batch_size
     g = cfg.group_size or default_group_size(cfg.schedule, cfg.pp, cfg.microbatches)
     frontier = activation_frontier(cfg.schedule, cfg.pp, cfg.vp, cfg.microbatches, g)
-    other = part.activation_bytes(0, b, cfg.recompute) if part.num_stages > 1 else 0.0
-    last = part.activation_bytes(part.num_stages - 1, b, cfg.recompute)
-    return [memory_breakdown(part, cfg, r, max(n * other + k * last for n, k in frontier[r]))
+    n_st = part.num_stages
+    sizes = (part.activation_bytes(0, b, cfg.recompute) if n_st > 1 else 0.0,
+             part.activation_bytes(n_st - 1, b, cfg.recompute),
+             part.pending_weight_grad_bytes(0, b) if n_st > 1 else 0.0,
+             part.pending_weight_grad_bytes(n_st - 1, b))
+    return [memory_breakdown(part, cfg, r, max(sum(x * y for x, y in zip(p, sizes)) for p in frontier[r]))
             for r in range(cfg.pp)]
 
 
@@ -182,10 +198,11 @@ def _prediction(model: GPTModel, hw: Hardware, cfg: Config, sched: Schedule, res
     flops = model.model_flops_per_sequence() * cfg.global_batch_size
     tflops = flops / res.step_time_s / cfg.num_gpus / 1e12
     pp = cfg.pp
+    pending = peak_pending_weight_grads(sched)
     per_rank = [
         {"rank": r, "compute_s": res.compute_s[r], "bubble_s": res.bubble_s[r], "exposed_pp_s": res.exposed_pp_s[r],
          "exposed_dp_s": res.exposed_dp_s[r], "bubble_fraction": res.bubble_fraction_per_rank[r],
-         "peak_memory_gib": mem[r]["total"] / GIB}
+         "peak_memory_gib": mem[r]["total"] / GIB, "peak_pending_weight_grads": pending[r]}
         for r in range(pp)
     ]
     return Prediction(
@@ -203,6 +220,7 @@ def _prediction(model: GPTModel, hw: Hardware, cfg: Config, sched: Schedule, res
         fits=mem[peak_rank]["total"] <= hw.usable_memory_bytes,
         per_rank=per_rank,
         dp_collectives=res.dp_traffic,
+        peak_pending_weight_grads=pending,
         events=res.events,
     )
 
@@ -281,6 +299,7 @@ def predict_for_trainer(args, iteration_times: list[float] | None = None) -> dic
             "bubble_fraction": res.bubble_fraction,
             "dp_collectives": res.dp_traffic,
             "peak_activations": peak_activations(sched),
+            "peak_pending_weight_grads": peak_pending_weight_grads(sched),
         }
     except Exception as e:  # outside the cost model (e.g. uneven stages): say why instead of failing the run
         return {"error": f"no prediction: {e}"}
