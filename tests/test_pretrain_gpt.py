@@ -85,7 +85,7 @@ class Run:
 def _parse(run: Run) -> None:
     for line in run.output.splitlines():
         m = ITERATION.search(line)
-        if m and "lm loss" in line or (m and "number of skipped iterations" in line):
+        if m and ("lm loss" in line or "number of skipped iterations" in line):
             loss = _field(line, "lm loss")
             run.log[int(m.group(1))] = {
                 "lm loss": float(loss) if loss else None,
