@@ -7,7 +7,12 @@ Methods (each searched by `megatron_bfpp.sim.plan` over T, P, V, D, b, group siz
 - Megatron-LM as in 2022: interleaved 1F1B with its default group size P, DDP or distributed optimizer,
   data-parallel communication not overlapped with compute and blocking p2p;
 - Megatron today: interleaved 1F1B with a tunable micro-batch group size, distributed optimizer with
-  overlapped gradient reduce-scatter and parameter all-gather.
+  overlapped gradient reduce-scatter and parameter all-gather;
+- breadth-first-zb and interleaved-zb (split backward: I on the critical path, W deferred into idle slots),
+  ZeRO-1/2/3, W costing its weight-gradient GEMMs alone (Qi et al.; TransformerEngine's delayed wgrad);
+- planned best of ours: the planner without schedule or ZeRO restriction (`bfpp plan` with no
+  --pipeline-schedule), and the same with W re-running the input-gradient GEMMs too (the runtime on
+  Megatron's fused linear nodes today).
 
 Writes docs/paper_reproduction.csv and docs/paper_reproduction.png and prints markdown tables.
 Run: python bench/paper_reproduction.py [--gpus 512] [--batch-per-gpu 0.0625 0.125 ...]
@@ -37,14 +42,19 @@ METHODS: dict[str, tuple[str, SearchSpace]] = {
                                   p2p_overlap=False, search_group_size=False)),
     "megatron_today": ("Megatron today (interleaved + group size, dist. optimizer, overlap)",
                        SearchSpace(schedules=("interleaved-1f1b",), zero_stages=(1,))),
+    "bf_zb": ("breadth-first-zb", SearchSpace(schedules=("breadth-first-zb",), zero_stages=(1, 2, 3))),
+    "interleaved_zb": ("interleaved-zb", SearchSpace(schedules=("interleaved-zb",), zero_stages=(1, 2, 3))),
+    "ours_best": ("planned best of ours", SearchSpace()),
+    "ours_best_rerun": ("planned best, W re-runs dgrad", SearchSpace(w_reruns_input_grad=True)),
 }
 BASELINES = ("megatron_2022", "megatron_today", "1f1b")
+PAPER_METHODS = ("bf_zero3", "1f1b", "megatron_2022", "megatron_today")  # the paper's comparison
 
 FIELDS = ["method", "batch_per_gpu", "global_batch_size", "feasible", "tflops_per_gpu", "mfu", "step_time_s",
           "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
           "data_parallel_size", "micro_batch_size", "num_micro_batches", "microbatch_group_size_per_vp_stage",
-          "zero_stage", "recompute", "bubble_fraction", "compute_s", "exposed_pp_s", "exposed_dp_s", "optimizer_s",
-          "peak_memory_gib", "why_infeasible", "bf_speedup"]
+          "zero_stage", "recompute", "pipeline_schedule", "w_reruns_input_grad", "bubble_fraction", "compute_s", "exposed_pp_s", "exposed_dp_s", "optimizer_s",
+          "peak_memory_gib", "why_infeasible", "bf_speedup", "speedup_vs_megatron_today"]
 
 
 def run(model_name: str, hw_name: str, gpus: int, betas: list[Fraction]) -> list[dict]:
@@ -63,10 +73,11 @@ def run(model_name: str, hw_name: str, gpus: int, betas: list[Fraction]) -> list
             print(f"  beta={float(beta):g} {label}: {'%.1f TFLOP/s' % best[key].tflops_per_gpu if best[key] else why}"
                   f" ({res.simulated} simulated, {time.time() - t0:.1f} s)", file=sys.stderr)
             rows.append(_row(key, beta, int(batch), best[key], why))
-        bf = best["bf_zero3"]
+        bf, today = best["bf_zero3"], best["megatron_today"]
         for row in rows[-len(METHODS):]:
             other = best[row["method"]]
             row["bf_speedup"] = bf.tflops_per_gpu / other.tflops_per_gpu if bf and other else ""
+            row["speedup_vs_megatron_today"] = other.tflops_per_gpu / today.tflops_per_gpu if other and today else ""
     return rows
 
 
@@ -99,12 +110,12 @@ def _fmt_beta(b: float) -> str:
 def markdown(rows: list[dict]) -> str:
     betas = sorted({r["batch_per_gpu"] for r in rows})
     by = {(r["method"], r["batch_per_gpu"]): r for r in rows}
-    lines = ["| batch/GPU | global batch | " + " | ".join(METHODS[k][0] for k in METHODS) +
+    lines = ["| batch/GPU | global batch | " + " | ".join(METHODS[k][0] for k in PAPER_METHODS) +
              " | BF vs 2022 | BF vs today | BF vs 1F1B |",
-             "|" + "---|" * (2 + len(METHODS) + 3)]
+             "|" + "---|" * (2 + len(PAPER_METHODS) + 3)]
     for b in betas:
         cells = [_fmt_beta(b), str(by[("bf_zero3", b)]["global_batch_size"])]
-        for k in METHODS:
+        for k in PAPER_METHODS:
             r = by[(k, b)]
             cells.append(f"{r['tflops_per_gpu']:.0f}" if r["feasible"] else "infeasible")
         for k in BASELINES:
@@ -112,25 +123,56 @@ def markdown(rows: list[dict]) -> str:
             cells.append(f"{(s - 1) * 100:+.0f}%" if s != "" else ("only BF runs" if by[("bf_zero3", b)]["feasible"]
                                                                   else "-"))
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Split backward (model TFLOP/s per GPU; ratios of throughput):", "", zero_bubble_table(rows)]
     lines += ["", "Chosen configurations (T/P/V/D, b x M, group size, ZeRO, recompute) and where the time goes "
                   "(bubble as a fraction of compute; exposed p2p / data-parallel seconds per step; peak GiB):", "",
-              "| batch/GPU | method | TFLOP/s | T/P/V/D | b x M | G | ZeRO | rc | bubble | exp. p2p s | exp. dp s | "
-              "step s | GiB |", "|" + "---|" * 13]
+              "| batch/GPU | method | schedule | TFLOP/s | T/P/V/D | b x M | G | ZeRO | rc | bubble | exp. p2p s | "
+              "exp. dp s | step s | GiB |", "|" + "---|" * 14]
     for b in betas:
         for k in METHODS:
             r = by[(k, b)]
             if not r["feasible"]:
-                lines.append(f"| {_fmt_beta(b)} | {METHODS[k][0]} | - | - | - | - | - | - | - | - | - | - | - |")
+                lines.append(f"| {_fmt_beta(b)} | {METHODS[k][0]} | - | - | - | - | - | - | - | - | - | - | - | - |")
                 continue
             g = r["microbatch_group_size_per_vp_stage"]
             lines.append(
-                f"| {_fmt_beta(b)} | {METHODS[k][0]} | {r['tflops_per_gpu']:.0f} | "
+                f"| {_fmt_beta(b)} | {METHODS[k][0]} | {r['pipeline_schedule']} | {r['tflops_per_gpu']:.0f} | "
                 f"{r['tensor_model_parallel_size']}/{r['pipeline_model_parallel_size']}/"
                 f"{r['virtual_pipeline_model_parallel_size']}/{r['data_parallel_size']} | "
                 f"{r['micro_batch_size']} x {r['num_micro_batches']} | {g if g not in (None, '') else '-'} | "
                 f"{r['zero_stage']} | {'y' if r['recompute'] else 'n'} | {r['bubble_fraction']:.3f} | "
                 f"{r['exposed_pp_s']:.3f} | {r['exposed_dp_s']:.3f} | {r['step_time_s']:.3f} | "
                 f"{r['peak_memory_gib']:.1f} |")
+    return "\n".join(lines)
+
+
+def _ratio(by: dict, a: str, b: str, beta: float) -> str:
+    ra, rb = by[(a, beta)], by[(b, beta)]
+    if ra["feasible"] and rb["feasible"]:
+        return f"{ra['tflops_per_gpu'] / rb['tflops_per_gpu']:.3f}x"
+    return "only ours runs" if ra["feasible"] else "-"
+
+
+def zero_bubble_table(rows: list[dict]) -> str:
+    """The split-backward columns against today's Megatron and plain breadth-first (README and docs)."""
+    betas = sorted({r["batch_per_gpu"] for r in rows})
+    by = {(r["method"], r["batch_per_gpu"]): r for r in rows}
+    cols = ("megatron_today", "bf_zero3", "bf_zb", "interleaved_zb", "ours_best", "ours_best_rerun")
+    lines = ["| batch/GPU | " + " | ".join(METHODS[k][0] for k in cols) +
+             " | best of ours vs today | best (W re-runs dgrad) vs today | BF-ZB vs BF + ZeRO-3 | best of ours picks |",
+             "|" + "---|" * (1 + len(cols) + 4)]
+    for b in betas:
+        cells = [_fmt_beta(b)]
+        for k in cols:
+            r = by[(k, b)]
+            cells.append(f"{r['tflops_per_gpu']:.0f}" if r["feasible"] else "infeasible")
+        cells += [_ratio(by, "ours_best", "megatron_today", b), _ratio(by, "ours_best_rerun", "megatron_today", b),
+                  _ratio(by, "bf_zb", "bf_zero3", b)]
+        r = by[("ours_best", b)]
+        cells.append(f"{r['pipeline_schedule']}, ZeRO-{r['zero_stage']}, T/P/V = {r['tensor_model_parallel_size']}/"
+                     f"{r['pipeline_model_parallel_size']}/{r['virtual_pipeline_model_parallel_size']}, M = "
+                     f"{r['num_micro_batches']}" if r["feasible"] else "-")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -141,7 +183,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     styles = {"bf_zero3": ("C0", "o", "-"), "1f1b": ("C2", "^", "--"), "megatron_2022": ("C3", "s", ":"),
-              "megatron_today": ("C1", "D", "-.")}
+              "megatron_today": ("C1", "D", "-."), "bf_zb": ("C4", "v", "-"), "interleaved_zb": ("C5", "P", "--"),
+              "ours_best": ("k", "*", "-"), "ours_best_rerun": ("C7", "x", ":")}
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     for k, (label, _) in METHODS.items():
         pts = sorted((r["batch_per_gpu"], r) for r in rows if r["method"] == k and r["feasible"])
