@@ -176,6 +176,41 @@ def zero_bubble_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def readme_table(rows: list[dict]) -> str:
+    """The README's compact table: the paper's methods, the split-backward ones and the planned best of ours."""
+    betas = sorted({r["batch_per_gpu"] for r in rows})
+    by = {(r["method"], r["batch_per_gpu"]): r for r in rows}
+    cols = (("bf_zero3", "breadth-first + ZeRO-3"), ("bf_zb", "breadth-first-zb"),
+            ("interleaved_zb", "interleaved-zb"), ("ours_best", "best of ours"), ("1f1b", "non-looped 1F1B"),
+            ("megatron_2022", "Megatron 2022"), ("megatron_today", "Megatron today"))
+    lines = ["| batch/GPU | " + " | ".join(c[1] for c in cols) + " | BF vs 2022 | BF vs today | best of ours vs today |"
+             " BF-ZB vs BF |", "|" + "---|" * (1 + len(cols) + 4)]
+    for b in betas:
+        cells = [_fmt_beta(b)]
+        for k, _ in cols:
+            r = by[(k, b)]
+            cells.append(f"{r['tflops_per_gpu']:.0f}" if r["feasible"] else "infeasible")
+        for k in ("megatron_2022", "megatron_today"):
+            sp = by[(k, b)]["bf_speedup"]
+            cells.append(f"{(sp - 1) * 100:+.0f}%" if sp != "" else "only ours run")
+        cells += [_ratio(by, "ours_best", "megatron_today", b), _ratio(by, "bf_zb", "bf_zero3", b)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def read_csv(path: Path) -> list[dict]:
+    """Rows of a CSV written by `write_csv`, typed back (for regenerating the tables without re-planning)."""
+    def conv(k: str, v: str) -> object:
+        if v == "" or k in ("method", "why_infeasible", "pipeline_schedule"):
+            return v
+        if v in ("True", "False"):
+            return v == "True"
+        return float(v) if k in ("batch_per_gpu",) or "." in v or "e" in v else int(v)
+
+    with path.open() as f:
+        return [{k: conv(k, v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -220,11 +255,17 @@ def main(argv: list[str] | None = None) -> int:
                             Fraction(4)])
     p.add_argument("--csv", type=Path, default=ROOT / "docs" / "paper_reproduction.csv")
     p.add_argument("--png", type=Path, default=ROOT / "docs" / "paper_reproduction.png")
+    p.add_argument("--tables-from", type=Path, default=None,
+                   help="print the tables of an existing CSV (no planning, nothing written)")
     args = p.parse_args(argv)
+    if args.tables_from is not None:
+        rows = read_csv(args.tables_from)
+        print(markdown(rows) + "\n\nREADME table:\n\n" + readme_table(rows))
+        return 0
     rows = run(args.model, args.hardware, args.gpus, args.batch_per_gpu)
     write_csv(rows, args.csv)
     plot(rows, args.png, f"{args.model} on {args.gpus} x {args.hardware} (simulated)")
-    print(markdown(rows))
+    print(markdown(rows) + "\n\nREADME table:\n\n" + readme_table(rows))
     print(f"\nwrote {args.csv} and {args.png}", file=sys.stderr)
     return 0
 
