@@ -274,6 +274,16 @@ def test_interleaved_1f1b_matches_stock(mlm: Runner) -> None:
 
 @needs_checkout
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule,zero", [("breadth-first-zb", "3"), ("interleaved-zb", "2")])
+def test_zero_bubble_matches_stock(mlm: Runner, schedule: str, zero: str) -> None:
+    """Split backward (I now, W later) through Megatron-LM's own loop == stock interleaved 1F1B."""
+    run = mlm.run("patched", TINY + P2V2 + ["--pipeline-schedule", schedule, "--zero-stage", zero])
+    assert f"megatron_bfpp: installed pipeline schedule {schedule}" in run.output
+    assert_same_training(run, stock_ref(mlm))
+
+
+@needs_checkout
+@pytest.mark.timeout(600)
 def test_launcher_unpatched_checkout_zero3_matches_stock(mlm: Runner) -> None:
     """The unmodified script through `python -m megatron_bfpp.launch`."""
     run = mlm.run("launch", TINY + P2V2 + ["--pipeline-schedule", "breadth-first", "--zero-stage", "3"])

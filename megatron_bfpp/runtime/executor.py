@@ -8,6 +8,7 @@ Megatron-Core's own `forward_step` / `backward_step` (same loss scaling, same ou
 from __future__ import annotations
 
 import datetime
+import inspect
 from typing import Any, Callable, Sequence
 
 import torch
@@ -23,6 +24,14 @@ from .hooks import DataParallelDriver
 from .p2p import PendingTransfer, PipelineP2P
 from .recorder import ActionRecorder
 from .split_backward import PendingWeightGrad, backward_input, backward_weight, split_friendly_linears
+
+
+# Megatron-Core before 0.17 (e.g. the one in Megatron-LM core_v0.16.1) takes the model type before the config.
+_BACKWARD_STEP_MODEL_TYPE: tuple = ()
+if "model_type" in inspect.signature(backward_step).parameters:
+    from megatron.core.enums import ModelType
+
+    _BACKWARD_STEP_MODEL_TYPE = (ModelType.encoder_or_decoder,)
 
 
 class PipelineError(RuntimeError):
@@ -306,7 +315,7 @@ class ScheduleExecutor:
         self._grad_buffer(s)
         input_tensor, output, output_grad = self._backward_operands(a)
         t = self.recorder.start() if self.recorder else None
-        input_grad = backward_step(input_tensor, output, output_grad, self.config)
+        input_grad = backward_step(input_tensor, output, output_grad, *_BACKWARD_STEP_MODEL_TYPE, self.config)
         if self.recorder:
             self.recorder.stop(t, a)
         self.activation_bytes -= self.saved_bytes.pop((s, m), 0)
