@@ -5,6 +5,9 @@ Variants (every one on its own copy of the same model, identically initialised, 
 
   ours-bf            megatron_bfpp breadth-first (one group of all M micro-batches)
   ours-interleaved   megatron_bfpp interleaved-1f1b with G = P (isolates runtime overhead from schedule order)
+  ours-bf-zb         megatron_bfpp breadth-first-zb (breadth-first, backward split into I and W, W deferred
+                     into idle slots; one group, so at most M W's pending)
+  ours-interleaved-zb  megatron_bfpp interleaved-zb (PyTorch's ScheduleInterleavedZeroBubble order)
   stock-G=M          Megatron-Core forward_backward_pipelining_with_interleaving, microbatch group size G = M
   stock-G=P          the same with G = P (Megatron's default, depth-first)
   torch-loopedbfs    torch.distributed.pipelining.ScheduleLoopedBFS over the very same GPT chunks, each wrapped
@@ -20,16 +23,26 @@ all-reduce, the data-parallel gradient all-reduce (D > 1), an Adam step; timed b
 every rank. Repetitions are interleaved (A B C D E A B C D E ...) so drift hits every variant alike; the
 first --warmup rounds are dropped. Reported per variant: median wall time per step with quartiles; its ratio
 to ours-bf's median; the paired ratio (each round's time over ours-bf's time in the same round: median and
-quartiles over rounds, the drift-cancelling figure); and the CPU time per step summed over all ranks (the
+quartiles over rounds, the drift-cancelling figure), and the same paired ratio against stock-G=P (Megatron's
+default interleaved order) when it runs; and the CPU time per step summed over all ranks (the
 work done, without the waiting, so much less sensitive to other load on the machine). The run first checks
 that all variants computed the same per-micro-batch losses in their first step (same model, same data: a
 failed check means the comparison is void).
+
+Measured bubble (our runtime's variants): after the timed rounds, --record-rounds more rounds of each of our
+variants run with the runtime's action recorder on; megatron_bfpp.trace.metrics splits each rank's window
+(first to last recorded action of the step, all ranks) into compute, bubble, exposed p2p / dp and other, and
+the report gives the median over rounds of the mean over ranks. Recorded rounds are not timed rounds (the
+recorder costs a little per action, and the stock and torch variants have no recorder).
 
 On CPU with gloo and tiny models this measures schedule and runtime overheads (Python dispatch, p2p
 latency, bubbles at CPU speed), not GPU performance.
 
     python bench/ab_schedules.py                        # 4 processes: P=4 V=2 (D=1), then P=2 V=2 (D=2)
     python bench/ab_schedules.py --layouts 2x2 --reps 30 --hidden-size 128
+    python bench/ab_schedules.py --nproc 2 --layouts 2x2,2x4 --microbatches 2,4,8 --hidden-size 256 \
+        --num-attention-heads 8 --seq-length 128 \
+        --variants ours-bf,ours-bf-zb,ours-interleaved-zb,stock-G=P     # the split-backward comparison
     torchrun --nproc-per-node 4 bench/ab_schedules.py   # same, launched by torchrun
 """
 
@@ -54,12 +67,19 @@ if str(REPO) not in sys.path:  # tests/megatron_cpu_shim.py lives in the reposit
 
 import torch  # noqa: E402
 
-VARIANTS = ("ours-bf", "ours-interleaved", "stock-G=M", "stock-G=P", "torch-loopedbfs")
+VARIANTS = ("ours-bf", "ours-interleaved", "stock-G=M", "stock-G=P", "torch-loopedbfs", "ours-bf-zb",
+            "ours-interleaved-zb")
+OURS = {"ours-bf": "breadth-first", "ours-interleaved": "interleaved-1f1b", "ours-bf-zb": "breadth-first-zb",
+        "ours-interleaved-zb": "interleaved-zb"}
+DEFAULT_VARIANTS = VARIANTS[:5]
+STOCK_BASE = "stock-G=P"
 STOCK_P2P = {"overlap_p2p_comm": True, "batch_p2p_comm": False}
 CSV_FIELDS = ("P", "V", "D", "M", "micro_batch_size", "num_layers", "hidden_size", "seq_length", "variant",
               "group_size", "median_ms", "p25_ms", "p75_ms", "ratio_to_ours_bf", "paired_ratio_median",
               "paired_ratio_p25", "paired_ratio_p75", "cpu_ms_all_ranks", "cpu_ratio_to_ours_bf", "reps",
-              "step0_loss")
+              "step0_loss", "paired_ratio_to_stock_median", "paired_ratio_to_stock_p25", "paired_ratio_to_stock_p75",
+              "measured_bubble", "measured_bubble_ms", "measured_compute_ms", "measured_exposed_p2p_ms",
+              "measured_window_ms", "record_rounds")
 
 
 # --------------------------------------------------------------------------------------------------- args
@@ -68,7 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layouts", default="4x2,2x2",
                    help="comma-separated PxV pipeline layouts (P = pipeline size, V = chunks per rank)")
     p.add_argument("--nproc", type=int, default=4, help="processes to spawn when not under torchrun")
-    p.add_argument("--microbatches", type=int, default=8, help="M, micro-batches per step per pipeline")
+    p.add_argument("--microbatches", default="8",
+                   help="M, micro-batches per step per pipeline; comma-separated for several (e.g. 2,4,8)")
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--layers-per-stage", type=int, default=1)
     p.add_argument("--hidden-size", type=int, default=64)
@@ -77,7 +98,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--reps", type=int, default=15, help="timed rounds (each runs every variant once)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"subset of {','.join(VARIANTS)} (default {','.join(DEFAULT_VARIANTS)})")
+    p.add_argument("--record-rounds", type=int, default=3,
+                   help="extra rounds of our variants with the action recorder on, for the measured bubble "
+                        "(0: none)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "ab_schedules.csv"))
     args = p.parse_args(argv)
@@ -91,9 +116,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown or "ours-bf" not in args.variants:
         p.error(f"--variants: unknown {sorted(unknown)} or ours-bf missing (ratios are to ours-bf); "
                 f"choose from {','.join(VARIANTS)}")
+    try:
+        args.microbatches = [int(x) for x in str(args.microbatches).split(",") if x]
+        assert args.microbatches and min(args.microbatches) >= 1
+    except (ValueError, AssertionError):
+        p.error(f"--microbatches {args.microbatches!r}: give positive integers, e.g. 8 or 2,4,8")
     for pp, _ in args.layouts:
-        if args.microbatches < pp:
-            p.error(f"--microbatches {args.microbatches} < P={pp}: stock interleaving needs M >= P")
+        if min(args.microbatches) < pp:
+            p.error(f"--microbatches {min(args.microbatches)} < P={pp}: stock interleaving needs M >= P")
     if args.reps < 1 or args.warmup < 1:
         p.error("--reps and --warmup must be >= 1 (the first round also checks the losses)")
     return args
@@ -186,7 +216,8 @@ def _megatron_variant(args, pp: int, vp: int, m: int, name: str) -> Variant:
 
     chunks = _chunks(args, pp, vp)
     opt = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=1e-4)
-    group = {"ours-bf": None, "ours-interleaved": pp, "stock-G=M": m, "stock-G=P": pp}[name]
+    group = {"ours-bf": None, "ours-interleaved": pp, "stock-G=M": m, "stock-G=P": pp, "ours-bf-zb": None,
+             "ours-interleaved-zb": None}[name]
     if name.startswith("stock"):
         for key, value in {**STOCK_P2P, "microbatch_group_size_per_vp_stage": group}.items():
             setattr(chunks[0].config, key, value)
@@ -195,7 +226,7 @@ def _megatron_variant(args, pp: int, vp: int, m: int, name: str) -> Variant:
             with stock_schedules_on_cpu():
                 return schedules.forward_backward_pipelining_with_interleaving(**kw)
     else:
-        fb = get_forward_backward_func("breadth-first" if name == "ours-bf" else "interleaved-1f1b", group)
+        fb = get_forward_backward_func(OURS[name], group)
 
     def step(batches: list[dict]) -> list[float]:
         opt.zero_grad()
@@ -272,7 +303,52 @@ def run_layout(args, pp: int, vp: int) -> list[dict]:
     from megatron_bfpp import parallel
 
     parallel.init_parallel(pp, vp, distributed_timeout_seconds=300)
-    m = args.microbatches
+    rows = []
+    for m in args.microbatches:
+        rows += run_case(args, pp, vp, m)
+    ps.destroy_model_parallel()
+    return rows
+
+
+def _measure_bubble(args, variants: list[Variant], data: list[list[dict]]) -> dict[str, dict[str, float]]:
+    """Median over --record-rounds recorded rounds of the mean-over-ranks timeline parts, per variant of ours."""
+    from megatron_bfpp.runtime import ActionRecorder, set_recorder
+    from megatron_bfpp.trace.metrics import iteration_metrics
+
+    out: dict[str, dict[str, float]] = {}
+    if args.record_rounds < 1:
+        return out
+    rank = torch.distributed.get_rank()
+    for v in variants:
+        if v.name not in OURS:
+            continue
+        rec = ActionRecorder(rank, use_cuda=False)
+        set_recorder(rec)
+        rec.enabled = True
+        for rnd in range(args.record_rounds):
+            rec.iteration = rnd
+            _timed(v.step, data[rnd % len(data)])
+        set_recorder(None)
+        rec.flush()
+        gathered: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, [e for e in rec.events])
+        events = [e for evs in gathered for e in evs]
+        parts: dict[str, list[float]] = {k: [] for k in ("bubble", "bubble_s", "compute_s", "p2p_s", "window_s")}
+        for rnd in range(args.record_rounds):
+            im = iteration_metrics(events, rnd)
+            n = len(im.ranks)
+            parts["bubble"].append(im.bubble)
+            parts["bubble_s"].append(sum(r.bubble_s for r in im.ranks) / n)
+            parts["compute_s"].append(sum(r.compute_s for r in im.ranks) / n)
+            parts["p2p_s"].append(im.exposed_p2p_wait_s)
+            parts["window_s"].append(im.step_time_s)
+        out[v.name] = {k: statistics.median(x) for k, x in parts.items()}
+    return out
+
+
+def run_case(args, pp: int, vp: int, m: int) -> list[dict]:
+    from megatron.core import parallel_state as ps
+
     data = _microbatches(args, m, 4)
     variants = [(_torch_variant(args, pp, vp, m) if name == "torch-loopedbfs" else
                  _megatron_variant(args, pp, vp, m, name)) for name in args.variants]
@@ -292,12 +368,17 @@ def run_layout(args, pp: int, vp: int) -> list[dict]:
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, step0 if holder else None)
     losses0 = next(g for g in gathered if g is not None)
-    base = [v.name for v in variants].index("ours-bf")
+    measured = _measure_bubble(args, variants, data)
+    names = [v.name for v in variants]
+    base = names.index("ours-bf")
+    stock = names.index(STOCK_BASE) if STOCK_BASE in names else None
     rows = []
     for i, v in enumerate(variants):
         w25, w50, w75 = _quartiles(wall[i].tolist())
         # Paired: each round's time over ours-bf's time in the same round, so drift between rounds cancels.
         r25, r50, r75 = _quartiles((wall[i] / wall[base]).tolist())
+        s25, s50, s75 = _quartiles((wall[i] / wall[stock]).tolist()) if stock is not None else ("", "", "")
+        mb = measured.get(v.name)
         rows.append({"P": pp, "V": vp, "D": ps.get_data_parallel_world_size(), "M": m,
                      "micro_batch_size": args.micro_batch_size, "num_layers": pp * vp * args.layers_per_stage,
                      "hidden_size": args.hidden_size, "seq_length": args.seq_length, "variant": v.name,
@@ -308,8 +389,15 @@ def run_layout(args, pp: int, vp: int) -> list[dict]:
                      "cpu_ms_all_ranks": 1e3 * statistics.median(cpu[i].tolist()),
                      "cpu_ratio_to_ours_bf": statistics.median(cpu[i].tolist()) / statistics.median(cpu[base].tolist()),
                      "reps": args.reps, "step0_loss": statistics.fmean(losses0[v.name]),
-                     "step0_losses": losses0[v.name]})
-    ps.destroy_model_parallel()
+                     "step0_losses": losses0[v.name],
+                     "paired_ratio_to_stock_median": s50, "paired_ratio_to_stock_p25": s25,
+                     "paired_ratio_to_stock_p75": s75,
+                     "measured_bubble": mb["bubble"] if mb else "",
+                     "measured_bubble_ms": 1e3 * mb["bubble_s"] if mb else "",
+                     "measured_compute_ms": 1e3 * mb["compute_s"] if mb else "",
+                     "measured_exposed_p2p_ms": 1e3 * mb["p2p_s"] if mb else "",
+                     "measured_window_ms": 1e3 * mb["window_s"] if mb else "",
+                     "record_rounds": args.record_rounds if mb else 0})
     return rows
 
 
@@ -317,8 +405,8 @@ def check_losses(rows: list[dict], rtol: float = 1e-5) -> tuple[float, list[str]
     """Every variant of a layout must compute the same per-micro-batch losses in its first step (same weights,
     same data). Returns the largest relative difference seen and the disagreements beyond rtol."""
     problems, worst = [], 0.0
-    for key in sorted({(r["P"], r["V"]) for r in rows}):
-        group = [r for r in rows if (r["P"], r["V"]) == key]
+    for key in sorted({(r["P"], r["V"], r["M"]) for r in rows}):
+        group = [r for r in rows if (r["P"], r["V"], r["M"]) == key]
         ref = group[0]["step0_losses"]
         for r in group:
             got = r["step0_losses"]
@@ -335,13 +423,19 @@ def check_losses(rows: list[dict], rtol: float = 1e-5) -> tuple[float, list[str]
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| P | V | D | M | variant | G | median step (ms) | p25-p75 (ms) | ratio to ours-bf | "
-             "paired ratio, median [p25-p75] | CPU ms/step, all ranks | CPU ratio |",
-             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "paired ratio, median [p25-p75] | paired ratio to stock-G=P | CPU ms/step, all ranks | CPU ratio | "
+             "measured bubble (of window) | bubble / compute ms |",
+             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        stock = (f"{r['paired_ratio_to_stock_median']:.2f} [{r['paired_ratio_to_stock_p25']:.2f}-"
+                 f"{r['paired_ratio_to_stock_p75']:.2f}]" if r["paired_ratio_to_stock_median"] != "" else "-")
+        bub = f"{r['measured_bubble']:.3f}" if r["measured_bubble"] != "" else "-"
+        bc = (f"{r['measured_bubble_ms']:.0f} / {r['measured_compute_ms']:.0f}" if r["measured_bubble"] != ""
+              else "-")
         lines.append(f"| {r['P']} | {r['V']} | {r['D']} | {r['M']} | {r['variant']} | {r['group_size']} | "
                      f"{r['median_ms']:.1f} | {r['p25_ms']:.1f}-{r['p75_ms']:.1f} | {r['ratio_to_ours_bf']:.2f} | "
                      f"{r['paired_ratio_median']:.2f} [{r['paired_ratio_p25']:.2f}-{r['paired_ratio_p75']:.2f}] | "
-                     f"{r['cpu_ms_all_ranks']:.1f} | {r['cpu_ratio_to_ours_bf']:.2f} |")
+                     f"{stock} | {r['cpu_ms_all_ranks']:.1f} | {r['cpu_ratio_to_ours_bf']:.2f} | {bub} | {bc} |")
     return "\n".join(lines)
 
 
