@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_bfpp.schedule import build, make_schedule, peak_pending_weight_grads
+from megatron_bfpp.schedule import build, peak_pending_weight_grads
 from megatron_bfpp.sim import (
     Config, Partition, SearchSpace, analytic_costs, get_hardware, get_model, plan, predict, simulate_schedule,
     unit_costs,
