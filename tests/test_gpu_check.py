@@ -19,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR", "/work/shared/megatron-lm/core_v0.19.0")
+# As .ci/run and scripts/test.sh: the variable, else the Megatron-LM source beside the repository.
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR", str(ROOT.parent / "shared" / "megatron-lm" / "core_v0.19.0"))
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402
