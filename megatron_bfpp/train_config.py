@@ -14,7 +14,7 @@ import sys
 
 from .megatron.validation import megatron_flag_text
 from .schedule import ScheduleError, build
-from .schedule.ir import SCHEDULE_NAMES
+from .schedule.ir import GROUPED_SCHEDULES, SCHEDULE_NAMES
 
 SUPPORTED_MEGATRON_CORE = ((0, 19),)
 DEFAULT_MOCK_VOCAB = 1024
@@ -144,7 +144,7 @@ def check_trainer_args(a: argparse.Namespace, world_size: int) -> None:
                            "--num-layers-per-virtual-pipeline-stage) is GPipe: running gpipe")
     try:
         build(a.pipeline_schedule, pp, vp, m, a.microbatch_group_size_per_vp_stage
-              if a.pipeline_schedule in ("interleaved-1f1b", "breadth-first", "breadth-first-zb") else None)
+              if a.pipeline_schedule in GROUPED_SCHEDULES else None)
     except ScheduleError as e:
         raise TrainerConfigError(f"{megatron_flag_text(str(e))} (M = {m} micro-batches per step = "
                                  f"--global-batch-size / (--micro-batch-size x data-parallel size))") from None

@@ -16,7 +16,7 @@ from megatron_bfpp.trace.chrome import (
 )
 from megatron_bfpp.trace.events import TimelineEvent
 from megatron_bfpp.trace.inputs import simulated_unit_timeline as unit_timeline
-from megatron_bfpp.trace.metrics import check_against_schedule, compute_overlaps, iteration_metrics, union_length
+from megatron_bfpp.trace.metrics import check_against_schedule, compute_overlaps, iteration_metrics
 from megatron_bfpp.trace.report import load_report, render
 
 pytestmark = pytest.mark.timeout(60)
@@ -105,11 +105,6 @@ def test_merge_rank_files(tmp_path):
 
 
 # ---- metrics ----
-
-def test_union_length():
-    assert union_length([(0, 1), (0.5, 2), (3, 4), (4, 4.5)]) == 3.5
-    assert union_length([]) == 0.0
-
 
 def test_metrics_hand_made():
     """Each rank's window splits into compute, bubble, exposed p2p / dp, optimizer and other; a receive's wait

@@ -232,8 +232,8 @@ class ScheduleExecutor:
             self.recorder.stop(t, Action(Op.REDUCE, self.schedule.stages_of(self.pp_rank)[0]), wait=True)
         if self.inputs or self.outputs or self.receives or self.pending_weight_grads:
             raise PipelineError(
-                f"rank {self.global_rank}: schedule {self.schedule.name} left {len(self.outputs)} activations and "
-                f"{len(self.receives)} receives unconsumed"
+                f"rank {self.global_rank}: schedule {self.schedule.name} left {len(self.outputs)} activations, "
+                f"{len(self.receives)} receives and {len(self.pending_weight_grads)} weight gradients unconsumed"
             )
         return self.forward_data_store
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import Schedule, make_schedule
-from ..schedule.ir import SCHEDULE_NAMES
+from ..schedule.ir import GROUPED_SCHEDULES, SCHEDULE_NAMES
 from .executor import PipelineError, ScheduleExecutor
 from .hooks import DataParallelDriver, MegatronConfigDriver
 from .p2p import PipelineP2P
@@ -169,7 +169,7 @@ def get_forward_backward_func(
             group = configured if configured and configured >= pp else pp
         if group is not None:
             group = min(group, num_microbatches)  # evaluation and batch-size ramp-up run fewer micro-batches
-        if pipeline_schedule in ("gpipe", "1f1b", "interleaved-zb", "zb-h1"):
+        if pipeline_schedule not in GROUPED_SCHEDULES:
             group = None
         driver, zero = _make_driver(chunks, config)
         if forward_only:

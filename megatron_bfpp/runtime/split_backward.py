@@ -48,7 +48,11 @@ def _plain_matmul_impl(original):
 
 
 def split_friendly_linears(chunk: torch.nn.Module) -> int:
-    """Give the chunk's Megatron-Core local linear layers the plain-matmul path (idempotent); returns how many."""
+    """Give the chunk's Megatron-Core local linear layers the plain-matmul path; returns how many. Once per
+    chunk: later calls return 0 without walking its modules (the runtime calls it every step)."""
+    if getattr(chunk, "_bfpp_split_linears", False):
+        return 0
+    chunk._bfpp_split_linears = True
     try:
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     except ImportError:  # megatron-core without these layers: nothing to adapt
@@ -57,7 +61,7 @@ def split_friendly_linears(chunk: torch.nn.Module) -> int:
     for module in chunk.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not getattr(module, "_bfpp_split", False):
             module._forward_impl = _plain_matmul_impl(module._forward_impl)
-            module._bfpp_split = True
+            module._bfpp_split = True  # a layer reached through two chunks' wrappers is adapted once
             count += 1
     return count
 

@@ -178,23 +178,17 @@ def zero_bubble(pp: int, vp: int, microbatches: int, forward_only: bool = False,
             local = (vp - 1 - k % vp) if backward else k % vp
             return local * pp + r
 
-        warmup = min((vp - 1) * per_round + pp - 1 - r, total)
-        if forward_only:
-            nxt: dict[int, int] = {}
-            acts = []
-            for step in range(total):
-                st = stage(step, False, 0)
-                acts.append(Action(Op.F, st, nxt.get(st, 0)))
-                nxt[st] = nxt.get(st, 0) + 1
-            ranks.append(acts)
-            continue
-        next_mb = {Op.F: {}, Op.I: {}, Op.W: {}}  # type: dict[Op, dict[int, int]]
+        next_mb: dict[Op, dict[int, int]] = {Op.F: {}, Op.I: {}, Op.W: {}}
 
         def take(op: Op, st: int) -> Action:
             m = next_mb[op].get(st, 0)
             next_mb[op][st] = m + 1
             return Action(op, st, m)
 
+        if forward_only:
+            ranks.append([take(Op.F, stage(step, False, 0)) for step in range(total)])
+            continue
+        warmup = min((vp - 1) * per_round + pp - 1 - r, total)
         acts = []
         pending: list[int] = []  # stages of I's whose W is still to run, oldest first
         for step in range(total + warmup):

@@ -37,6 +37,7 @@ DP_OPS = frozenset({Op.GATHER, Op.RELEASE, Op.REDUCE})
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first", "breadth-first-zb", "interleaved-zb",
                   "zb-h1")
 SPLIT_BACKWARD_SCHEDULES = ("breadth-first-zb", "interleaved-zb", "zb-h1")
+GROUPED_SCHEDULES = ("interleaved-1f1b", "breadth-first", "breadth-first-zb")  # take a micro-batch group size
 
 
 class ScheduleError(ValueError):

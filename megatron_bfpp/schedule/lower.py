@@ -66,12 +66,13 @@ def add_p2p(schedule: Schedule) -> Schedule:
     for r, actions in enumerate(schedule.ranks):
         for i, a in enumerate(actions):
             if a.op not in COMPUTE_OPS:
-                raise ScheduleError(f"add_p2p expects only F/B actions, found rank {r} step {i}: {a.text}")
+                raise ScheduleError(f"add_p2p expects only compute actions, found rank {r} step {i}: {a.text}")
     pp = schedule.pp
     computes = schedule.ranks
     pc = [0] * pp
     free_at = [0.0] * pp  # end of the rank's current compute
-    outbox: list[dict[tuple[str, int], list[tuple[str, int, int]]]] = [{} for _ in range(pp)]
+    # (kind, consumer rank) -> (producing stage, microbatch) of the messages produced and not yet transferred
+    outbox: list[dict[tuple[str, int], list[tuple[int, int]]]] = [{} for _ in range(pp)]
     inbox: list[set[tuple[str, int, int]]] = [set() for _ in range(pp)]
     produced_at: list[list[tuple[float, tuple[str, int, int, int]]]] = [[] for _ in range(pp)]
     out: list[list[tuple[Action, tuple[float, int]]]] = [[] for _ in range(pp)]  # (action, instant)
@@ -90,7 +91,7 @@ def add_p2p(schedule: Schedule) -> Schedule:
             for r in range(pp):  # computes that ended by now hand their messages to the outbox
                 while produced_at[r] and produced_at[r][0][0] <= t:
                     kind, stage, mb, dst = produced_at[r].pop(0)[1]
-                    outbox[r].setdefault((kind, dst), []).append((kind, stage, mb))
+                    outbox[r].setdefault((kind, dst), []).append((stage, mb))
             # Transfers between ranks that are both between computes: activations first, then gradients
             # (one fixed global order, so both ends agree), each channel first-in first-out.
             for kind in ("F", "B"):
@@ -99,7 +100,7 @@ def add_p2p(schedule: Schedule) -> Schedule:
                         if k != kind or not avail[r] or not avail[dst]:
                             continue
                         while queue:
-                            _, stage, mb = queue.pop(0)
+                            stage, mb = queue.pop(0)
                             send_op, recv_op = (Op.SEND_F, Op.RECV_F) if kind == "F" else (Op.SEND_B, Op.RECV_B)
                             out[r].append((Action(send_op, stage, mb), (t, round_)))
                             out[dst].append((Action(recv_op, stage + 1 if kind == "F" else stage - 1, mb),

@@ -59,8 +59,9 @@ def check_compute(schedule: Schedule) -> None:
             raise ScheduleError(f"rank {r}: forward-only schedule contains backward actions")
 
 
-def _deps(schedule: Schedule, a: Action) -> list[tuple[int, Action]]:
-    """(rank, action) pairs that must have executed before `a` can start."""
+def _deps(schedule: Schedule, a: Action, split: set[tuple[int, int]]) -> list[tuple[int, Action]]:
+    """(rank, action) pairs that must have executed before `a` can start; `split` holds the (stage, microbatch)
+    whose backward is an I and a W."""
     last = schedule.num_stages - 1
     s, m, pp = a.stage, a.microbatch, schedule.pp
     local = pp == 1
@@ -77,7 +78,7 @@ def _deps(schedule: Schedule, a: Action) -> list[tuple[int, Action]]:
         deps = [(schedule.rank_of(s), Action(Op.F, s, m))]
         if s < last:
             if local:
-                deps.append((schedule.rank_of(s), Action(_input_grad_op(schedule, s + 1, m), s + 1, m)))
+                deps.append((schedule.rank_of(s), Action(Op.I if (s + 1, m) in split else Op.B, s + 1, m)))
             else:
                 deps += [(schedule.rank_of(s), Action(Op.RECV_B, s, m)),
                          (schedule.rank_of(s + 1), Action(Op.SEND_B, s + 1, m))]
@@ -85,15 +86,8 @@ def _deps(schedule: Schedule, a: Action) -> list[tuple[int, Action]]:
     if a.op == Op.SEND_F:
         return [(schedule.rank_of(s), Action(Op.F, s, m))]
     if a.op == Op.SEND_B:
-        return [(schedule.rank_of(s), Action(_input_grad_op(schedule, s, m), s, m))]
+        return [(schedule.rank_of(s), Action(Op.I if (s, m) in split else Op.B, s, m))]
     return []
-
-
-def _input_grad_op(schedule: Schedule, stage: int, microbatch: int) -> Op:
-    """I when the (stage, microbatch)'s backward is split, else B."""
-    split = schedule.__dict__.setdefault("_split_backward", {
-        (a.stage, a.microbatch) for acts in schedule.ranks for a in acts if a.op == Op.I})
-    return Op.I if (stage, microbatch) in split else Op.B
 
 
 def _channel(schedule: Schedule, a: Action) -> tuple[int, int] | None:
@@ -172,6 +166,7 @@ def simulate_order(schedule: Schedule) -> list[tuple[int, int]]:
     done: list[set[Action]] = [set() for _ in range(schedule.pp)]
     gathered: list[set[int]] = [set() for _ in range(schedule.pp)]
     zero3 = schedule.zero_stage == 3 or any(a.op == Op.GATHER for acts in schedule.ranks for a in acts)
+    split = {(a.stage, a.microbatch) for acts in schedule.ranks for a in acts if a.op == Op.I}
     order: list[tuple[int, int]] = []
     total = sum(len(a) for a in schedule.ranks)
     pending = deque(range(schedule.pp))
@@ -180,7 +175,7 @@ def simulate_order(schedule: Schedule) -> list[tuple[int, int]]:
         for r in range(schedule.pp):
             while pcs[r] < len(schedule.ranks[r]):
                 a = schedule.ranks[r][pcs[r]]
-                if not all(dep in done[dr] for dr, dep in _deps(schedule, a)):
+                if not all(dep in done[dr] for dr, dep in _deps(schedule, a, split)):
                     break
                 if a.op == Op.GATHER:
                     if a.stage in gathered[r]:

@@ -311,15 +311,11 @@ def analytic_costs(hw: Hardware, part: Partition, cfg: Config) -> Costs:
         st = part.stage(s)
         f = st.layers * lf + (hf if st.last else 0.0)
         recomputed = st.layers * lf if cfg.recompute else 0.0  # the head is not recomputed
-        if cfg.split_backward:
-            i = st.layers * li + (hi if st.last else 0.0) + recomputed  # I needs the recomputed forward
-            w = st.layers * lw + (hw_ if st.last else 0.0)
-            bk = i + w
-            share.append(i / bk if bk > 0 else 0.5)
-        else:
-            bk = st.layers * lb + (hb if st.last else 0.0) + recomputed
-            i = st.layers * li + (hi if st.last else 0.0) + recomputed
-            share.append(i / bk if bk > 0 else 0.5)  # unused by fused B; kept for inspection
+        i = st.layers * li + (hi if st.last else 0.0) + recomputed  # I needs the recomputed forward
+        w = st.layers * lw + (hw_ if st.last else 0.0)
+        # A fused B is I + W; a split one may cost more (W re-running the input-gradient GEMMs).
+        bk = i + w if cfg.split_backward else st.layers * lb + (hb if st.last else 0.0) + recomputed
+        share.append(i / (i + w) if i + w > 0 else 0.5)  # used only by split schedules
         fwd.append(f)
         bwd.append(bk)
         r = s % pp

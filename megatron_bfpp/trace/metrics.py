@@ -98,21 +98,6 @@ def _mean(values: Iterable[float]) -> float:
     return sum(vals) / len(vals) if vals else 0.0
 
 
-def union_length(intervals: Iterable[tuple[float, float]]) -> float:
-    """Total length covered by closed intervals (overlaps counted once)."""
-    total, cur_start, cur_end = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_end is None or s > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start  # type: ignore[operator]
-            cur_start, cur_end = s, e
-        else:
-            cur_end = max(cur_end, e)
-    if cur_end is not None:
-        total += cur_end - cur_start  # type: ignore[operator]
-    return total
-
-
 def iterations(events: Iterable[TimelineEvent]) -> list[int]:
     return sorted({e.iteration for e in events})
 
