@@ -64,12 +64,31 @@ def main() -> None:
     record = os.environ.get("BFPP_PRETRAIN_RECORD")
     if record:
         _record_training_log(record)
-    if launch:
-        from megatron_bfpp.launch import main as launch_main
+    try:
+        if launch:
+            from megatron_bfpp.launch import main as launch_main
 
-        sys.exit(launch_main([script, *argv[1:]]))
-    sys.argv = [script, *argv[1:]]
-    runpy.run_path(script, run_name="__main__")
+            rc = launch_main([script, *argv[1:]])
+            if rc:
+                sys.exit(rc)
+        else:
+            sys.argv = [script, *argv[1:]]
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    _shut_down()
+
+
+def _shut_down() -> None:
+    """Tear the process groups down before the interpreter exits, as a training script should: Megatron's
+    pretrain() leaves them up, and gloo's threads destroyed during interpreter shutdown can abort the process
+    ("terminate called without an active exception") after a run that finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
