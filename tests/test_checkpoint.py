@@ -174,8 +174,14 @@ def test_killed_rank_fails_the_job_within_the_bound(killed):
     root = re.search(r"Root Cause \(first observed failure\):(.*?)={10}", out, re.S)
     assert root, out[-4000:]
     assert re.search(r"rank\s*:\s*2 \(local_rank: 2\)", root.group(1)) and "-9" in root.group(1), root.group(1)
-    # Survivors detected the lost peer by themselves (before the launcher tore them down).
-    assert re.search(r"rank [013]: failed because another rank failed", out), out[-4000:]
+    # Each survivor ended, within the bound, either by detecting the lost peer itself or by the launcher's
+    # SIGTERM (torchrun tears the others down within its monitor interval, which usually wins the race;
+    # detection without a launcher is tested by test_killed_save_leaves_previous_checkpoint_loadable and
+    # tests/test_faults.py).
+    for rank in (0, 1, 3):
+        by_itself = re.search(rf"rank {rank}: failed because another rank failed", out)
+        torn_down = re.search(rf"rank\s*:\s*{rank} \(local_rank: {rank}\)\s*\n\s*exitcode\s*:\s*-15", out)
+        assert by_itself or torn_down, (rank, out[-4000:])
 
 
 @pytest.mark.timeout(900)
