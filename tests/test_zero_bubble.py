@@ -71,15 +71,17 @@ def test_zero_bubble_matches_single_process(runs, index):
 
 def test_split_backward_does_the_fused_backward_work_once():
     """On a Megatron-Core GPT chunk (local spec), I + W compute the same gradients as one fused backward with the
-    same matmul FLOPs: the weight-gradient GEMMs run at W only, the input-gradient GEMMs at I only. Without the
-    plain-matmul path for Megatron's linear Function, its whole backward runs twice (and this test fails)."""
+    same matmul FLOPs: with the deferring linears, the weight-gradient GEMMs run at W only and everything else
+    at I. The graph split alone (PyTorch pipelining's, what a chunk without adaptable layers gets) runs
+    Megatron's linear Function's whole backward at I and again at W: more FLOPs, which this test also shows."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron_bfpp import parallel
     from megatron_bfpp.data import causal_mask
     from megatron_bfpp.model import build_model_chunks, make_transformer_config
-    from megatron_bfpp.runtime.split_backward import backward_input, backward_weight, split_friendly_linears
+    from megatron_bfpp.runtime.split_backward import (PendingWeightGrad, backward_input, backward_weight,
+                                                       deferring_weight_grads, split_friendly_linears)
 
     parallel.init_single_process()
     try:
@@ -108,19 +110,33 @@ def test_split_backward_does_the_fused_backward_work_once():
         fused = flops(lambda: out.backward(g))
         ref = ([p.grad.clone() for p in weights], inp.grad.clone())
 
-        def split() -> tuple[int, list, torch.Tensor]:
+        def graph_split() -> int:
             inp, out = forward()
             box = {}
             n = flops(lambda: box.update(zip(("dx", "w"), backward_input(inp, out, g, weights, chunk.config))))
-            n += flops(lambda: backward_weight(box["w"]))
-            return n, [p.grad.clone() for p in weights], box["dx"]
+            return n + flops(lambda: backward_weight(box["w"]))
 
-        unadapted, _, _ = split()
-        assert split_friendly_linears(chunk) > 0
-        adapted, grads, dx = split()
-        assert adapted == fused < unadapted
+        def deferred_split() -> tuple[int, int, list, torch.Tensor]:
+            with deferring_weight_grads():
+                inp, out = forward()
+            with deferring_weight_grads() as deferred:
+                n_i = flops(lambda: out.backward(g))
+            dx = inp.grad.clone()
+            assert all(p.grad is None for p in weights if any(p is d.weight for d in deferred))
+            n_w = flops(lambda: backward_weight(PendingWeightGrad([], deferred=deferred)))
+            return n_i, n_w, [p.grad.clone() for p in weights], dx
+
+        unadapted = graph_split()
+        assert split_friendly_linears(chunk) > 0 and split_friendly_linears(chunk) == split_friendly_linears(chunk)
+        n_i, n_w, grads, dx = deferred_split()
+        assert n_i + n_w == fused < unadapted and 0 < n_w < fused
         torch.testing.assert_close(dx, ref[1], rtol=1e-5, atol=1e-6)
         for a, b in zip(grads, ref[0]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        # Outside an I, a deferring node refuses to lose its weight gradient.
+        with deferring_weight_grads():
+            inp, out = forward()
+        with pytest.raises(RuntimeError, match="outside an I"):
+            out.backward(g)
     finally:
         parallel.destroy_parallel()

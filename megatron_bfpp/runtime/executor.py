@@ -7,6 +7,8 @@ Megatron-Core's own `forward_step` / `backward_step` (same loss scaling, same ou
 
 from __future__ import annotations
 
+import contextlib
+
 import datetime
 import inspect
 from typing import Any, Callable, Sequence
@@ -23,7 +25,8 @@ from ..schedule.ir import COMPUTE_OPS, P2P_OPS, Action, Op, Schedule
 from .hooks import DataParallelDriver
 from .p2p import PendingTransfer, PipelineP2P
 from .recorder import ActionRecorder
-from .split_backward import PendingWeightGrad, backward_input, backward_weight, split_friendly_linears
+from .split_backward import (PendingWeightGrad, backward_input, backward_weight, deferring_weight_grads,
+                             split_friendly_linears)
 
 
 # Megatron-Core before 0.17 (e.g. the one in Megatron-LM core_v0.16.1) takes the model type before the config.
@@ -97,13 +100,16 @@ class ScheduleExecutor:
         self.global_rank = global_rank
         self.cp_group_size = cp_group_size
         self.forward_only = schedule.forward_only
-        # Split backward (I/W): outputs stay allocated until their I (autograd checks their shapes).
         self.split_backward = any(a.op == Op.I for a in self.actions)
-        self.deallocate_outputs = bool(config.deallocate_pipeline_outputs) and not self.split_backward
         self.pending_weight_grads: dict[tuple[int, int], PendingWeightGrad] = {}
-        if self.split_backward:
-            for chunk in self.model:
-                split_friendly_linears(chunk)
+        # Chunks whose linear layers defer their weight GEMMs to W (the others split on the autograd graph),
+        # and the (stage, micro-batch) pairs whose backward is split, whose forwards build deferring nodes.
+        self.defers_weight_grads = [self.split_backward and split_friendly_linears(chunk) > 0 for chunk in self.model]
+        self.split_pairs = {(a.stage, a.microbatch) for a in self.actions if a.op == Op.I}
+        # Megatron's pseudo-deallocation of sent outputs, except where the graph split runs (its autograd
+        # calls check the output's shape): there outputs stay allocated until their I.
+        self.deallocate_by_chunk = [bool(config.deallocate_pipeline_outputs) and (not self.split_backward or d)
+                                    for d in self.defers_weight_grads]
         self.last_stage = schedule.num_stages - 1
         self.forward_data_store: list = []
         # On the model's device: the loss function's token count lives there, and finalize reduces it.
@@ -195,7 +201,7 @@ class ScheduleExecutor:
             if a.op == Op.SEND_F and not self.forward_only:
                 out = self.outputs.get((a.stage, a.microbatch))
                 if out is not None:
-                    deallocate_output_tensor(out, self.deallocate_outputs)
+                    deallocate_output_tensor(out, self.deallocate_by_chunk[self.schedule.chunk_of(a.stage)])
 
     # -- actions -----------------------------------------------------------------------------------------------
 
@@ -266,8 +272,10 @@ class ScheduleExecutor:
             input_tensor = pending.tensor.requires_grad_(not self.forward_only)
         is_first = check_first_val_step(self.first_val_step, self.forward_only, m == 0)
         counter = SavedBytesCounter()
+        defer = self.defers_weight_grads[chunk] and (s, m) in self.split_pairs
         t = self.recorder.start() if self.recorder else None
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), \
+                (deferring_weight_grads() if defer else contextlib.nullcontext()):
             output, num_tokens = forward_step(
                 self.forward_step_func, self.data_iterators[chunk], self.model[chunk], self.schedule.microbatches,
                 input_tensor, self.forward_data_store, self.config, self.cp_group_size, self.collect_non_loss_data,
@@ -289,7 +297,7 @@ class ScheduleExecutor:
             self.outputs[(s, m)] = output
             if self.schedule.pp == 1 and s < self.last_stage:
                 # Only the output's grad_fn is needed from here on (Megatron's pseudo-deallocation).
-                deallocate_output_tensor(output, self.deallocate_outputs)
+                deallocate_output_tensor(output, self.deallocate_by_chunk[chunk])
 
     def _backward_operands(self, a: Action) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """(input, output, output gradient) of a B or an I, once the output was sent and its gradient came."""
@@ -297,7 +305,7 @@ class ScheduleExecutor:
         send = Action(Op.SEND_F, s, m)
         if send in self.sends:  # our output must be sent (and freed) before its backward
             self._wait(self.sends.pop(send), send, "send")
-            deallocate_output_tensor(self.outputs[(s, m)], self.deallocate_outputs)
+            deallocate_output_tensor(self.outputs[(s, m)], self.deallocate_by_chunk[self.schedule.chunk_of(s)])
         if s == self.last_stage:
             output_grad = None
         elif self.schedule.pp == 1:
@@ -325,12 +333,19 @@ class ScheduleExecutor:
     def _do_I(self, a: Action) -> None:
         """Split backward, part 1: the input gradient (what stage - 1 waits for); the graph is kept for W."""
         s, m = a.stage, a.microbatch
+        chunk = self.schedule.chunk_of(s)
         self._wait_params(s)
+        self._grad_buffer(s)  # with deferred weight GEMMs, the other gradients accumulate here
         input_tensor, output, output_grad = self._backward_operands(a)
-        chunk = self.model[self.schedule.chunk_of(s)]
-        weights = [p for p in chunk.parameters() if p.requires_grad]
         t = self.recorder.start() if self.recorder else None
-        input_grad, pending = backward_input(input_tensor, output, output_grad, weights, self.config)
+        if self.defers_weight_grads[chunk]:
+            with deferring_weight_grads() as deferred:
+                input_grad = backward_step(input_tensor, output, output_grad, *_BACKWARD_STEP_MODEL_TYPE,
+                                           self.config)
+            pending = PendingWeightGrad([], deferred=deferred)
+        else:
+            weights = [p for p in self.model[chunk].parameters() if p.requires_grad]
+            input_grad, pending = backward_input(input_tensor, output, output_grad, weights, self.config)
         if self.recorder:
             self.recorder.stop(t, a)
         self.pending_weight_grads[(s, m)] = pending

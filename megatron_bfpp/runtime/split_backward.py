@@ -1,27 +1,33 @@
 """Split backward for the zero-bubble schedules: I (gradient of the stage input) now, W (weight gradients) later.
 
-Model-agnostic, on the autograd graph, with PyTorch pipelining's `stage_backward_input`: I computes the input
-gradient with the graph kept and records, per group of weights, the gradients flowing into the intermediate
-nodes they depend on. W then runs the rest of the graph from those intermediates down to the weights with
-`torch.autograd.backward(..., inputs=weights)`, so the weights' gradients are *accumulated* as in a fused
-backward: every post-accumulate-grad / grad-accumulator hook fires, and Megatron's DDP and the sharded
-wrapper add them into `main_grad` exactly as they do for a B.
+Two ways to split, chosen per chunk by the runtime:
 
-Stage 0 has no input tensor to differentiate: its I does nothing and its W is the whole backward (nothing
-upstream waits for it). Loss scaling on the last stage follows Megatron's `backward_step`. Outputs of split
-schedules are not pseudo-deallocated (autograd checks their shapes), which keeps one output per pending I.
+- Deferred weight GEMMs (Megatron-Core GPT chunks). `split_friendly_linears` gives Megatron's local linear
+  layers a path that, for forwards run under `deferring_weight_grads()`, builds a linear node whose backward
+  computes only the input gradient and leaves (weight, input, output gradient) in the list that context
+  yields. I is then Megatron's own `backward_step` run under that context: every other gradient (norms,
+  biases, embeddings, layers that cannot defer) is computed and accumulated there, as in a fused backward,
+  and no work is done twice. W computes the deferred weight GEMMs and hands each result to autograd on the
+  weight itself, so its grad-accumulation hooks fire and Megatron's DDP and the sharded wrapper add it into
+  `main_grad` exactly as for a B. This is the scheme of TransformerEngine's delayed weight gradients, and it
+  costs one extra autograd call per weight, not a second graph traversal.
+- Model-agnostic, on the autograd graph (chunks without such layers), with PyTorch pipelining's
+  `stage_backward_input`: I computes the input gradient with the graph kept and records, per group of
+  weights, the gradients flowing into the intermediate nodes they depend on; W runs the rest of the graph
+  from those intermediates down to the weights with `torch.autograd.backward(..., inputs=weights)`. Stage 0
+  has no input tensor to differentiate: its I does nothing and its W is the whole backward.
 
-A custom autograd Function computes all its input gradients together, so a layer implemented as one would
-run its whole backward at I and again at W. Megatron-Core's local linear layers are such a Function
-(`LinearWithGradAccumulationAndAsyncCommunication`); where it reduces to a plain matmul (no tensor-parallel
-communication, no fused gradient accumulation, no deferred embedding wgrad) `split_friendly_linears` runs
-the same ops as built-in autograd nodes instead, which compute only the gradient asked for: the input
-gradient at I, the weight gradient at W. Elsewhere (TransformerEngine layers, tensor parallelism) the
-layer's backward runs at both: exact, but the split then saves no work there.
+A linear reduces to a plain matmul (and may defer) only without tensor-parallel communication, fused gradient
+accumulation or a deferred embedding wgrad; elsewhere (tensor parallelism, TransformerEngine layers) the
+layer's backward runs whole at I. Loss scaling on the last stage follows Megatron's `backward_step`. Outputs
+of split schedules are not pseudo-deallocated (autograd checks their shapes), which keeps one output per
+pending I.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +36,68 @@ from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
 
 
+@dataclass
+class DeferredWeightGrad:
+    """One linear's weight gradient left for W: weight.grad += output_grad^T @ input (over all tokens)."""
+
+    weight: torch.nn.Parameter
+    input: torch.Tensor
+    output_grad: torch.Tensor
+
+    def compute(self) -> torch.Tensor:
+        g, x = self.output_grad, self.input
+        return g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
+# While not None: linear forwards build deferring nodes, and their backwards append here. A module-level
+# variable, not a thread-local: on GPU the autograd engine runs backward functions on its own threads.
+_deferred: list[DeferredWeightGrad] | None = None
+
+
+@contextlib.contextmanager
+def deferring_weight_grads() -> Iterator[list[DeferredWeightGrad]]:
+    """Forwards run inside create deferring linear nodes (the forward of an (stage, micro-batch) whose backward
+    is split, and its recomputation inside I); backwards run inside leave their weight GEMMs in the list."""
+    global _deferred
+    outer, _deferred = _deferred, []
+    try:
+        yield _deferred
+    finally:
+        _deferred = outer
+
+
+class _Ref:
+    """Carries the weight parameter through `Function.apply` without making it an autograd input (an input
+    would get an AccumulateGrad call, and its hooks would fire, with no gradient at I)."""
+
+    def __init__(self, param: torch.nn.Parameter) -> None:
+        self.param = param
+
+
+class _DeferredWeightGradLinear(torch.autograd.Function):
+    """y = x @ W^T whose backward returns dx and defers dW to W."""
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, ref: _Ref) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        ctx.ref = ref
+        return torch.matmul(input, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        input, weight = ctx.saved_tensors
+        if _deferred is None:
+            raise RuntimeError(
+                "megatron_bfpp: a linear layer built for a split backward (I/W) was differentiated outside an I; "
+                "its weight gradient would be lost. The schedule gives this micro-batch a B: report it as a bug."
+            )
+        _deferred.append(DeferredWeightGrad(ctx.ref.param, input, grad_output))
+        return grad_output.matmul(weight), None, None
+
+
 def _plain_matmul_impl(original):
-    """A `_forward_impl` that computes Megatron's linear with built-in autograd ops when that is all it is."""
+    """A `_forward_impl` that computes Megatron's linear with built-in autograd ops when that is all it is, and
+    with a deferring node under `deferring_weight_grads()`."""
 
     def forward_impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                      sequence_parallel=False, grad_output_buffer=None, *args, **kwargs):
@@ -41,39 +107,45 @@ def _plain_matmul_impl(original):
         if not plain:
             return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                             grad_output_buffer, *args, **kwargs)
-        output = torch.matmul(input, weight.t())  # the Function's forward, op for op
+        if _deferred is not None and input.requires_grad and torch.is_grad_enabled():
+            output = _DeferredWeightGradLinear.apply(input, weight.detach(), _Ref(weight))
+        else:
+            output = torch.matmul(input, weight.t())  # the Function's forward, op for op
         return output + bias if bias is not None else output
 
     return forward_impl
 
 
 def split_friendly_linears(chunk: torch.nn.Module) -> int:
-    """Give the chunk's Megatron-Core local linear layers the plain-matmul path; returns how many. Once per
-    chunk: later calls return 0 without walking its modules (the runtime calls it every step)."""
-    if getattr(chunk, "_bfpp_split_linears", False):
-        return 0
-    chunk._bfpp_split_linears = True
+    """Give the chunk's Megatron-Core local linear layers the plain-matmul path; returns how many the chunk has
+    (adapted once; later calls only count)."""
+    if hasattr(chunk, "_bfpp_split_linears"):
+        return chunk._bfpp_split_linears
+    count = 0
     try:
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     except ImportError:  # megatron-core without these layers: nothing to adapt
-        return 0
-    count = 0
+        ColumnParallelLinear = RowParallelLinear = ()  # noqa: N806
     for module in chunk.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not getattr(module, "_bfpp_split", False):
-            module._forward_impl = _plain_matmul_impl(module._forward_impl)
-            module._bfpp_split = True  # a layer reached through two chunks' wrappers is adapted once
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            if not getattr(module, "_bfpp_split", False):  # a layer reached through two wrappers: adapt once
+                module._forward_impl = _plain_matmul_impl(module._forward_impl)
+                module._bfpp_split = True
             count += 1
+    chunk._bfpp_split_linears = count
     return count
 
 
 @dataclass
 class PendingWeightGrad:
-    """What a W needs: the I's weight groups, or (stage 0) the output and its gradient for a whole backward."""
+    """What a W needs: the deferred weight GEMMs; or the I's weight groups, or (stage 0) the output and its
+    gradient for a whole backward."""
 
     weights: list[torch.nn.Parameter]
     param_groups: list[dict[str, Any]] | None = None
     output: torch.Tensor | None = None
     output_grad: torch.Tensor | None = None
+    deferred: list[DeferredWeightGrad] | None = None
 
 
 def _scaled(output: torch.Tensor, output_grad: torch.Tensor | None, config: Any) -> torch.Tensor:
@@ -96,6 +168,12 @@ def backward_input(input_tensor: torch.Tensor | None, output: torch.Tensor, outp
 
 def backward_weight(pending: PendingWeightGrad) -> None:
     """W: accumulate the weight gradients (hooks fire as in a fused backward)."""
+    if pending.deferred is not None:
+        # One weight at a time: its gradient exists only until its hooks moved it into main_grad.
+        for item in pending.deferred:
+            torch.autograd.backward(item.weight, grad_tensors=item.compute())
+        pending.deferred.clear()
+        return
     if pending.param_groups is None:
         if pending.output is not None and pending.output.requires_grad:
             torch.autograd.backward(pending.output, grad_tensors=pending.output_grad)

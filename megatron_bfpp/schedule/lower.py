@@ -20,8 +20,9 @@ import dataclasses
 
 from .ir import COMPUTE_OPS, INPUT_GRAD_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError
 
-# Ops that write a stage's weight gradients: they need its gradient buffer, and its REDUCE follows the last.
-GRAD_WRITE_OPS = frozenset({Op.B, Op.W})
+# Ops that write a stage's gradients: they need its gradient buffer, and its REDUCE follows the last. An I
+# writes some (with deferred weight GEMMs it computes every gradient but those of the GEMMs).
+GRAD_WRITE_OPS = frozenset({Op.B, Op.I, Op.W})
 
 
 # Nominal compute durations used to decide where transfers go (the order, not the timing, is what matters).
