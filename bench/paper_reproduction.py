@@ -11,8 +11,8 @@ Methods (each searched by `megatron_bfpp.sim.plan` over T, P, V, D, b, group siz
 - breadth-first-zb and interleaved-zb (split backward: I on the critical path, W deferred into idle slots),
   ZeRO-1/2/3, W costing its weight-gradient GEMMs alone (Qi et al.; TransformerEngine's delayed wgrad);
 - planned best of ours: the planner without schedule or ZeRO restriction (`bfpp plan` with no
-  --pipeline-schedule), and the same with W re-running the input-gradient GEMMs too (the runtime on
-  Megatron's fused linear nodes today).
+  --pipeline-schedule), and the same with W re-running the input-gradient GEMMs too (a split on the
+  autograd graph of layers that are one autograd Function).
 
 Writes docs/paper_reproduction.csv and docs/paper_reproduction.png and prints markdown tables.
 Run: python bench/paper_reproduction.py [--gpus 512] [--batch-per-gpu 0.0625 0.125 ...]

@@ -35,7 +35,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-backward-w", choices=("wgrad-only", "rerun-dgrad"), default="wgrad-only",
                    help="cost of a W in split-backward schedules: wgrad-only = the weight-gradient GEMMs alone "
                         "(Qi et al.; TransformerEngine's delayed weight gradients), rerun-dgrad = the fused linear "
-                        "nodes' whole backward again (the runtime on Megatron's layers today)")
+                        "nodes' whole backward again (a split on the autograd graph of one-Function layers)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
