@@ -1,5 +1,6 @@
 """Schedule IR, builders, lowering and validation (pure Python)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -402,3 +403,42 @@ def test_split_backward_reduce_follows_last_w_and_w_fills_bubbles(name, vp):
         bf = iteration_metrics(simulated_unit_timeline(make_schedule("breadth-first", 8, vp, 2), 1.0, 2.0))
         zb = iteration_metrics(simulated_unit_timeline(make_schedule("breadth-first-zb", 8, vp, 2), 1.0, 2.0))
         assert zb.step_time_s < bf.step_time_s
+
+
+@pytest.mark.parametrize("name,vp,pp,m", [
+    (name, vp, pp, m) for name, vp in (("breadth-first-zb", 3), ("interleaved-zb", 3), ("zb-h1", 1))
+    for pp, m in ((2, 2), (4, 2), (4, 8)) if name != "interleaved-zb" or m % pp == 0  # its rounds are P wide
+])
+def test_zero3_releases_before_ws_that_read_no_weights(name, vp, pp, m):
+    """With W = deferred weight GEMMs (kept activations only), ZeRO-3 releases a stage after its last F/B/I: no
+    RELEASE waits for a W, every F/I still runs gathered, buffers stay bounded, and the flag survives the text
+    and JSON forms. Reading weights in W (the default) keeps every W gathered."""
+    from megatron_bfpp.schedule.formats import from_json, to_json
+
+    needs, free = (make_schedule(name, pp, vp, m, zero_stage=3, w_needs_weights=x) for x in (True, False))
+    assert needs.w_needs_weights and not free.w_needs_weights
+    earlier = 0
+    for s in (needs, free):
+        for r, acts in enumerate(s.ranks):
+            held: set[int] = set()
+            for i, a in enumerate(acts):
+                if a.op == Op.GATHER:
+                    held.add(a.stage)
+                elif a.op == Op.RELEASE:
+                    held.discard(a.stage)
+                    if s is free:  # nothing that reads the weights follows, up to the next GATHER of the stage
+                        nxt = next((j for j in range(i + 1, len(acts)) if acts[j].op == Op.GATHER
+                                    and acts[j].stage == a.stage), len(acts))
+                        assert not any(b.op in (Op.F, Op.B, Op.I) and b.stage == a.stage for b in acts[i + 1:nxt])
+                        earlier += any(b.op == Op.W and b.stage == a.stage for b in acts[i + 1:nxt])
+                elif a.op in COMPUTE_OPS and (s is needs or a.op != Op.W):
+                    assert a.stage in held, (r, i, a.text)
+                assert len(held) <= s.weight_buffers
+    if vp > free.weight_buffers:  # stages are evicted during the step: some W's run after their RELEASE
+        assert earlier > 0
+    assert Schedule.from_text(free.to_text()).w_needs_weights is False
+    assert from_json(to_json(free)).w_needs_weights is False
+    assert "w_needs_weights" not in json.loads(to_json(needs))  # the default keeps the JSON contract's fields
+    if earlier:  # validation knows the difference: that order is invalid for a W that reads weights
+        with pytest.raises(ScheduleError, match="without its parameters gathered"):
+            validate(dataclasses.replace(free, w_needs_weights=True))

@@ -1,7 +1,9 @@
 """Split-backward (zero-bubble) schedules train exactly the single-process model.
 
 Megatron-Core GPT chunks through the trainer, D = 2, P = 2, fp32: breadth-first-zb (V = 2, whole and
-in groups of 2 micro-batches) and interleaved-zb (V = 2) under ZeRO-1/2/3, zb-h1 (V = 1) under ZeRO-3.
+in groups of 2 micro-batches) and interleaved-zb (V = 2) under ZeRO-1/2/3, zb-h1 (V = 1) under ZeRO-3, and
+both looped ones under ZeRO-3 with one weight buffer, where a W runs after its stage's weights were released
+(the deferred weight GEMMs read kept activations only).
 The losses of 3 Adam steps, the clipped global gradient norm of each step, and the final parameters equal the
 reference's (the I/W split must accumulate every weight gradient into main_grad exactly once).
 """
@@ -14,7 +16,25 @@ from tests.distributed import run_distributed
 from tests.test_train_equivalence import BASE, LOOPED, _all_full, _assert_params_close, _reference_worker
 
 RUNS = ([("breadth-first-zb", z, ()) for z in (1, 2, 3)] + [("interleaved-zb", z, ()) for z in (1, 3)]
-        + [("zb-h1", 3, ()), ("breadth-first-zb", 3, ("--microbatch-group-size-per-virtual-pipeline-stage", "2"))])
+        + [("zb-h1", 3, ()), ("breadth-first-zb", 3, ("--microbatch-group-size-per-virtual-pipeline-stage", "2"))]
+        + [(s, 3, ("--bfpp-weight-buffers", "1")) for s in ("breadth-first-zb", "interleaved-zb")])
+
+
+def _ws_after_release(schedule) -> int:
+    """How many W's of this schedule run while their stage's weights are released (ZeRO-3)."""
+    from megatron_bfpp.schedule import Op
+
+    count = 0
+    for acts in schedule.ranks:
+        held: set[int] = set()
+        for a in acts:
+            if a.op == Op.GATHER:
+                held.add(a.stage)
+            elif a.op == Op.RELEASE:
+                held.discard(a.stage)
+            elif a.op == Op.W and a.stage not in held:
+                count += 1
+    return count
 
 
 def _worker(rank: int, world: int, runs) -> list:
@@ -22,6 +42,7 @@ def _worker(rank: int, world: int, runs) -> list:
 
     from megatron_bfpp import parallel
     from megatron_bfpp.model import global_named_parameters
+    from megatron_bfpp.runtime.forward_backward import last_schedule
     from megatron_bfpp.train import Trainer
     from megatron_bfpp.train_config import parse_trainer_args
 
@@ -45,7 +66,8 @@ def _worker(rank: int, world: int, runs) -> list:
         with _all_full(trainer.model):
             params = {n: p.detach().clone() for n, p in
                       global_named_parameters(trainer.model, trainer.pp_rank, trainer.pp).items()}
-        results.append({"losses": trainer.losses, "grad_norms": norms, "params": params})
+        results.append({"losses": trainer.losses, "grad_norms": norms, "params": params,
+                        "ws_after_release": _ws_after_release(last_schedule())})
         parallel.destroy_parallel()
     return results
 
@@ -57,7 +79,7 @@ def runs():
 
 
 @pytest.mark.timeout(1000)
-@pytest.mark.parametrize("index", range(len(RUNS)), ids=[f"{s}-zero{z}{'-groups' if e else ''}" for s, z, e in RUNS])
+@pytest.mark.parametrize("index", range(len(RUNS)), ids=[f"{s}-zero{z}{''.join(e[::2])}" for s, z, e in RUNS])
 def test_zero_bubble_matches_single_process(runs, index):
     ref, per_rank = runs
     for r in range(4):
@@ -67,6 +89,8 @@ def test_zero_bubble_matches_single_process(runs, index):
         for name, value in got["params"].items():
             _assert_params_close(value, ref["params"][name], name, f"{RUNS[index]} rank {r} {name}")
     assert set().union(*(per_rank[r][index]["params"] for r in range(4))) == set(ref["params"])
+    if "--bfpp-weight-buffers" in RUNS[index][2]:
+        assert per_rank[0][index]["ws_after_release"] > 0  # the case this run is here for
 
 
 def test_split_backward_does_the_fused_backward_work_once():

@@ -335,7 +335,6 @@ class ScheduleExecutor:
         s, m = a.stage, a.microbatch
         chunk = self.schedule.chunk_of(s)
         self._wait_params(s)
-        self._grad_buffer(s)  # with deferred weight GEMMs, the other gradients accumulate here
         input_tensor, output, output_grad = self._backward_operands(a)
         t = self.recorder.start() if self.recorder else None
         if self.defers_weight_grads[chunk]:
@@ -355,7 +354,8 @@ class ScheduleExecutor:
     def _do_W(self, a: Action) -> None:
         """Split backward, part 2: the weight gradients, accumulated into main_grad as a B would."""
         s, m = a.stage, a.microbatch
-        self._wait_params(s)
+        if self.schedule.w_needs_weights:
+            self._wait_params(s)
         self._grad_buffer(s)
         pending = self.pending_weight_grads.pop((s, m))
         t = self.recorder.start() if self.recorder else None

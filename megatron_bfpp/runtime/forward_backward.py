@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import Schedule, make_schedule
-from ..schedule.ir import GROUPED_SCHEDULES, SCHEDULE_NAMES
+from ..schedule.ir import GROUPED_SCHEDULES, SCHEDULE_NAMES, SPLIT_BACKWARD_SCHEDULES
 from .executor import PipelineError, ScheduleExecutor
 from .hooks import DataParallelDriver, MegatronConfigDriver
 from .p2p import PipelineP2P
 from .recorder import ActionRecorder
+from .split_backward import split_friendly_linears
 
 _state: dict[str, Any] = {"recorder": None, "wait_timeout_s": None, "last_schedule": None, "p2p": {},
                           "last_run": {}, "agreed": set()}
@@ -48,9 +49,9 @@ def last_run_stats() -> dict:
 
 @functools.lru_cache(maxsize=64)
 def _cached_schedule(name: str, pp: int, vp: int, m: int, g: int | None, zero: int | None, forward_only: bool,
-                     nw: int, ng: int) -> Schedule:
+                     nw: int, ng: int, w_needs_weights: bool) -> Schedule:
     return make_schedule(name, pp, vp, m, g, zero_stage=zero, lowered=True, forward_only=forward_only,
-                         weight_buffers=nw, grad_buffers=ng)
+                         weight_buffers=nw, grad_buffers=ng, w_needs_weights=w_needs_weights)
 
 
 def _pp_group(pg_collection: Any) -> dist.ProcessGroup | None:
@@ -95,12 +96,12 @@ def _handshake(schedule: Schedule, groups: dict[str, dist.ProcessGroup | None], 
     """
     fields = [zlib.crc32(schedule.name.encode()), schedule.pp, schedule.vp, schedule.microbatches,
               schedule.group_size or 0, schedule.zero_stage or 0, int(schedule.forward_only),
-              schedule.weight_buffers, schedule.grad_buffers]
+              schedule.weight_buffers, schedule.grad_buffers, int(schedule.w_needs_weights)]
     key = (tuple(fields), tuple(tuple(dist.get_process_group_ranks(g)) if g is not None else () for g in groups.values()))
     if key in _state["agreed"]:
         return
     names = ["schedule", "P", "V", "M", "group size", "ZeRO stage", "forward-only", "weight buffers",
-             "grad buffers"]
+             "grad buffers", "W needs weights"]
     mine = torch.tensor(fields, dtype=torch.int64, device=device)
     for kind, group in groups.items():
         if group is None or dist.get_world_size(group) == 1:
@@ -176,8 +177,12 @@ def get_forward_backward_func(
             zero_for_schedule = 3 if zero == 3 else None  # ZeRO-3 still gathers; nothing to reduce
         else:
             zero_for_schedule = zero
+        # A W that only runs deferred weight GEMMs reads kept activations, not weights (ZeRO-3 may release
+        # them after the stage's last I); on chunks split on the autograd graph it may read them.
+        w_needs_weights = not (pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
+                               and all(split_friendly_linears(c) > 0 for c in chunks))
         schedule = _cached_schedule(pipeline_schedule, pp, vp, num_microbatches, group, zero_for_schedule,
-                                    bool(forward_only), weight_buffers, grad_buffers)
+                                    bool(forward_only), weight_buffers, grad_buffers, w_needs_weights)
         _state["last_schedule"] = schedule
         if hasattr(driver, "set_buffer_limits"):  # the sharded driver keeps the schedule's buffer bounds
             driver.set_buffer_limits(schedule.weight_buffers, schedule.grad_buffers)

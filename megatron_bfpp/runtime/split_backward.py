@@ -54,6 +54,11 @@ class DeferredWeightGrad:
 _deferred: list[DeferredWeightGrad] | None = None
 
 
+def deferring() -> bool:
+    """Whether a `deferring_weight_grads()` context is open (an I's backward, or a forward building for one)."""
+    return _deferred is not None
+
+
 @contextlib.contextmanager
 def deferring_weight_grads() -> Iterator[list[DeferredWeightGrad]]:
     """Forwards run inside create deferring linear nodes (the forward of an (stage, micro-batch) whose backward

@@ -18,12 +18,13 @@ def make_schedule(
     forward_only: bool = False,
     weight_buffers: int = 2,
     grad_buffers: int = 2,
+    w_needs_weights: bool = True,
 ) -> Schedule:
     """Build, lower (p2p, and data-parallel when `zero_stage` is given) and validate a schedule."""
     sched = build(name, pp, vp, microbatches, group_size, forward_only)
     validate(sched)
     if lowered:
-        sched = lower(sched, zero_stage, weight_buffers, grad_buffers)
+        sched = lower(sched, zero_stage, weight_buffers, grad_buffers, w_needs_weights)
         validate(sched)
     return sched
 

@@ -22,6 +22,9 @@ def parser() -> argparse.ArgumentParser:
                    help="add data-parallel GATHER/RELEASE/REDUCE for this ZeRO stage (implies --lowered)")
     p.add_argument("--weight-buffers", type=int, default=2)
     p.add_argument("--grad-buffers", type=int, default=2)
+    p.add_argument("--w-needs-weights", choices=("yes", "no"), default="yes",
+                   help="no: a W computes weight gradients from kept activations alone, so ZeRO-3 may release a "
+                        "stage's weights after its last F/B/I (the runtime on Megatron-Core's local linears)")
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--lowered", action="store_true", help="include p2p (and data-parallel) actions")
     p.add_argument("--format", choices=("text", "json", "csv"), default="text")
@@ -35,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             args.schedule, args.pp, args.vp, args.microbatches, args.group_size,
             zero_stage=args.zero_stage, lowered=args.lowered or args.zero_stage is not None,
             forward_only=args.forward_only, weight_buffers=args.weight_buffers, grad_buffers=args.grad_buffers,
+            w_needs_weights=args.w_needs_weights == "yes",
         )
     except ScheduleError as e:
         print(f"bfpp schedule: error: {e}", file=sys.stderr)

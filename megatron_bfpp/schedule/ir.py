@@ -141,6 +141,9 @@ class Schedule:
     forward_only: bool = False
     weight_buffers: int = 2
     grad_buffers: int = 2
+    # False when a W computes weight gradients from kept activations alone (deferred weight GEMMs): ZeRO-3
+    # then releases a stage's weights after its last F/B/I, and a W may run with them released.
+    w_needs_weights: bool = True
     meta: dict = field(default_factory=dict)
 
     @property
@@ -167,7 +170,7 @@ class Schedule:
             f"# schedule={self.name} pp={self.pp} vp={self.vp} microbatches={self.microbatches} "
             f"group_size={self.group_size} zero_stage={self.zero_stage} lowered={int(self.lowered)} "
             f"forward_only={int(self.forward_only)} weight_buffers={self.weight_buffers} "
-            f"grad_buffers={self.grad_buffers}"
+            f"grad_buffers={self.grad_buffers}" + ("" if self.w_needs_weights else " w_needs_weights=0")
         )
 
     def to_text(self) -> str:
@@ -227,4 +230,5 @@ def _schedule_from_parts(header: dict, ranks: dict[int, list[Action]]) -> Schedu
         forward_only=bool(int(header.get("forward_only", int(Op.B not in ops)))),
         weight_buffers=int(header.get("weight_buffers", 2)),
         grad_buffers=int(header.get("grad_buffers", 2)),
+        w_needs_weights=str(header.get("w_needs_weights", 1)).lower() not in ("0", "false"),
     )

@@ -20,9 +20,9 @@ import dataclasses
 
 from .ir import COMPUTE_OPS, INPUT_GRAD_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError
 
-# Ops that write a stage's gradients: they need its gradient buffer, and its REDUCE follows the last. An I
-# writes some (with deferred weight GEMMs it computes every gradient but those of the GEMMs).
-GRAD_WRITE_OPS = frozenset({Op.B, Op.I, Op.W})
+# Ops that write a stage's weight gradients: they need its gradient buffer, and its REDUCE follows the last.
+# (The small gradients an I computes besides the deferred weight GEMMs wait in .grad until its W.)
+GRAD_WRITE_OPS = frozenset({Op.B, Op.W})
 
 
 # Nominal compute durations used to decide where transfers go (the order, not the timing, is what matters).
@@ -192,9 +192,11 @@ def _run_stage(run: list[Action]) -> int:
 
 
 def add_data_parallel(
-    schedule: Schedule, zero_stage: int, weight_buffers: int = 2, grad_buffers: int = 2
+    schedule: Schedule, zero_stage: int, weight_buffers: int = 2, grad_buffers: int = 2,
+    w_needs_weights: bool = True,
 ) -> Schedule:
-    """Insert GATHER/RELEASE/REDUCE for ZeRO stage 1, 2 or 3 with a bounded number of buffers."""
+    """Insert GATHER/RELEASE/REDUCE for ZeRO stage 1, 2 or 3 with a bounded number of buffers. With
+    `w_needs_weights` False a W is not a use of its stage's weights (ZeRO-3 may release them before it)."""
     if zero_stage not in (1, 2, 3):
         raise ScheduleError(f"--zero-stage must be 1, 2 or 3 (got {zero_stage})")
     if weight_buffers < 1 or grad_buffers < 1:
@@ -202,16 +204,22 @@ def add_data_parallel(
     if schedule.zero_stage is not None:
         raise ScheduleError("schedule already has data-parallel actions")
     ranks = [
-        _lower_rank_dp(schedule, actions, zero_stage, weight_buffers, grad_buffers) for actions in schedule.ranks
+        _lower_rank_dp(schedule, actions, zero_stage, weight_buffers, grad_buffers, w_needs_weights)
+        for actions in schedule.ranks
     ]
     return dataclasses.replace(
-        schedule, ranks=ranks, zero_stage=zero_stage, weight_buffers=weight_buffers, grad_buffers=grad_buffers
+        schedule, ranks=ranks, zero_stage=zero_stage, weight_buffers=weight_buffers, grad_buffers=grad_buffers,
+        w_needs_weights=w_needs_weights,
     )
 
 
-def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int, ng: int) -> list[Action]:
+def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int, ng: int,
+                   w_needs_weights: bool) -> list[Action]:
     runs = _runs(actions)
     stages = [_run_stage(r) for r in runs]
+    # Runs that use their stage's weights (all of them, unless a W computes from kept activations alone).
+    weight_runs = [i for i, r in enumerate(runs)
+                   if any(a.op in COMPUTE_OPS and (w_needs_weights or a.op != Op.W) for a in r)]
     pre: list[list[Action]] = [[] for _ in runs]
     post: list[list[Action]] = [[] for _ in runs]
     tail: list[Action] = []
@@ -226,25 +234,29 @@ def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int
         resident: list[int] = []
         last_run: dict[int, int] = {}
 
+        def next_weight_use(stage: int, after: int) -> int:
+            return next((j for j in weight_runs if j > after and stages[j] == stage), len(runs) + 1)
+
         def make_room(i: int, keep: int) -> bool:
             if len(resident) < nw:
                 return True
             victims = [s for s in resident if s != keep]
             if not victims:
                 return False
-            victim = max(victims, key=lambda s: next_use(s, i))
+            victim = max(victims, key=lambda s: next_weight_use(s, i))
             resident.remove(victim)
             post[last_run[victim]].append(Action(Op.RELEASE, victim))
             return True
 
-        for i, s in enumerate(stages):
+        for k, i in enumerate(weight_runs):
+            s = stages[i]
             if s not in resident:  # first run, or a prefetch that had no free buffer
-                if i > 0 and not make_room(i, s):
+                if k > 0 and not make_room(i, s):
                     raise ScheduleError("internal: no weight buffer for the current stage")  # nw >= 1
                 pre[i].append(Action(Op.GATHER, s))
                 resident.append(s)
-            if i + 1 < len(runs) and stages[i + 1] not in resident:
-                nxt = stages[i + 1]
+            if k + 1 < len(weight_runs) and stages[weight_runs[k + 1]] not in resident:
+                nxt = stages[weight_runs[k + 1]]
                 if make_room(i, s):
                     pre[i].append(Action(Op.GATHER, nxt))
                     resident.append(nxt)
@@ -287,17 +299,35 @@ def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int
             if s in grad_resident:
                 grad_resident.remove(s)
 
+    def after_last(run: list[Action], ops: frozenset[Op] | set[Op]) -> int:
+        """Index just past the run's last action in `ops` (and the gradient send that follows it)."""
+        cut = max(k for k, a in enumerate(run) if a.op in ops) + 1
+        return cut + 1 if cut < len(run) and run[cut].op == Op.SEND_B else cut
+
+    def before_trailing_w(run: list[Action]) -> int:
+        """Index of the run's first W after its last use of the weights (its end if there is none)."""
+        cut = after_last(run, weight_ops)
+        while cut < len(run) and run[cut].op not in COMPUTE_OPS:
+            cut += 1
+        return cut
+
+    weight_ops = set(COMPUTE_OPS) - (set() if w_needs_weights else {Op.W})
     out: list[Action] = []
     for i, run in enumerate(runs):
-        # A REDUCE goes right after the run's last backward (and its send), ahead of any forward that follows.
+        # A REDUCE goes right after the run's last backward (and its send), ahead of any forward that follows;
+        # a RELEASE right after the run's last use of the weights (before trailing W's that do not read them).
         reduces = [a for a in post[i] if a.op == Op.REDUCE]
         others = [a for a in post[i] if a.op != Op.REDUCE]
-        cut = len(run)
+        inserts: dict[int, list[Action]] = {}
         if reduces:
-            cut = max(k for k, a in enumerate(run) if a.op in GRAD_WRITE_OPS) + 1
-            if cut < len(run) and run[cut].op == Op.SEND_B:
-                cut += 1
-        out += pre[i] + run[:cut] + reduces + run[cut:] + others
+            inserts.setdefault(after_last(run, GRAD_WRITE_OPS), []).extend(reduces)
+        if others:
+            inserts.setdefault(before_trailing_w(run), []).extend(others)
+        seq: list[Action] = []
+        for k, a in enumerate(run):
+            seq += inserts.get(k, [])
+            seq.append(a)
+        out += pre[i] + seq + inserts.get(len(run), [])
     return _keep_batches_together(out + tail)
 
 
@@ -321,10 +351,11 @@ def _keep_batches_together(actions: list[Action]) -> list[Action]:
 
 
 def lower(
-    schedule: Schedule, zero_stage: int | None = None, weight_buffers: int = 2, grad_buffers: int = 2
+    schedule: Schedule, zero_stage: int | None = None, weight_buffers: int = 2, grad_buffers: int = 2,
+    w_needs_weights: bool = True,
 ) -> Schedule:
     """p2p lowering, then (if `zero_stage` is given) data-parallel lowering."""
     lowered = add_p2p(schedule)
     if zero_stage is not None:
-        lowered = add_data_parallel(lowered, zero_stage, weight_buffers, grad_buffers)
+        lowered = add_data_parallel(lowered, zero_stage, weight_buffers, grad_buffers, w_needs_weights)
     return lowered

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 
+from ..runtime.split_backward import deferring as weight_grads_deferred
 from . import comm
 from .buffers import (
     DEFAULT_PARAM_ALIGN,
@@ -176,6 +177,8 @@ class _Bucket:
         self.gather: Pending | None = None
         self.params_stale = False  # the shard was updated after the last gather
         self.reduces: list[Pending] = []
+        # Gradients an I computed while the full gradient buffer was not allocated (see the grad hook).
+        self.waiting: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.grad_ready = gbuf.allocated  # full grad buffer allocated, zeroed and accumulating
         self.grads_unreduced = False  # backward wrote into the full buffer since its last reduce
         self.main_grad_has_data = False  # the fp32 shard holds reduced gradients of this step
@@ -305,6 +308,15 @@ class ShardedDataParallel(DistributedDataParallel):
         def hook(p: torch.nn.Parameter) -> None:
             if p.grad is None:
                 return
+            if bucket is not None and not bucket.grad_ready and weight_grads_deferred():
+                # An I (split backward) computing the gradients it does not defer (norms, biases, the
+                # embedding): they wait beside the parameter, accumulated in the buffer's dtype as main_grad
+                # would, and the stage's gradient buffer is taken only by its W.
+                g = p.grad.to(bucket.gbuf.dtype)
+                waiting = bucket.waiting.get(p)
+                bucket.waiting[p] = g if waiting is None else waiting.add_(g)
+                p.grad = None
+                return
             if bucket is not None:
                 self._prepare_grad_buffer(bucket)  # no-op when before_backward already did it
                 bucket.grads_unreduced = True
@@ -324,6 +336,10 @@ class ShardedDataParallel(DistributedDataParallel):
         else:
             b.gbuf.full.zero_()  # ZeRO-1: the previous contents were already reduced into the shard
         b.grad_ready = True
+        for p, g in b.waiting.items():  # gradients an I left waiting (see the grad hook)
+            p.main_grad.add_(g)
+            b.grads_unreduced = True
+        b.waiting.clear()
 
     # -- schedule hooks (called through driver.ShardedDriver) ------------------------------------------------
 
@@ -500,6 +516,7 @@ class ShardedDataParallel(DistributedDataParallel):
             b.gbuf.main_grad_shard.zero_()
             b.main_grad_has_data = False
             b.grads_unreduced = False
+            b.waiting.clear()
         for p in self.owned_replicated_params:
             p.main_grad.zero_()
         self.stats.reset()

@@ -199,7 +199,8 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                         wname = ("RECV_F" if is_f else "RECV_B") + f"{s}:{m}"
                 # parameters
                 end_floor = 0.0
-                if zero == 3:
+                uses_weights = sched.w_needs_weights or op is not Op.W
+                if zero == 3 and uses_weights:
                     g = st.gather_end.get(s, 0.0)
                     if g > why_t:
                         why, why_t, wname = _DP, g, f"GATHER{s}"
@@ -212,7 +213,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                         why, why_t, wname = _DP, ready, f"GATHER{s}"
                 st.first_use_done.add(s)
                 # gradient buffer (ZeRO-2/3)
-                if op in (Op.B, Op.I, Op.W) and zero is not None and zero >= 2 and s not in st.grad_resident:
+                if op in (Op.B, Op.W) and zero is not None and zero >= 2 and s not in st.grad_resident:
                     st.grad_resident.add(s)
                     st.gbuf_free.sort()
                     free_t = st.gbuf_free.pop(0) if st.gbuf_free else 0.0
@@ -234,7 +235,8 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                 st.compute_busy += dur
                 st.acct[_DP] += end - start - dur  # compute slowed by parameter buckets still arriving
                 st.compute_free = end
-                st.last_end[s] = end
+                if uses_weights:
+                    st.last_end[s] = end  # a RELEASE frees the buffer once the last use ended
                 if op is not Op.W:
                     compute_end[(0 if is_f else 1, s, m)] = end
                 if op in (Op.B, Op.W):

@@ -63,9 +63,10 @@ def check_config(model: GPTModel, hw: Hardware, cfg: Config) -> None:
 @functools.lru_cache(maxsize=512)
 def cached_schedule(name: str, pp: int, vp: int, microbatches: int, group_size: int | None,
                     lowering_zero: int | None, weight_buffers: int = 2, grad_buffers: int = 2,
-                    check: bool = False) -> Schedule:
+                    check: bool = False, w_needs_weights: bool = True) -> Schedule:
     """The lowered schedule (shared by every configuration with the same pipeline shape)."""
-    sched = lower(built_schedule(name, pp, vp, microbatches, group_size), lowering_zero, weight_buffers, grad_buffers)
+    sched = lower(built_schedule(name, pp, vp, microbatches, group_size), lowering_zero, weight_buffers, grad_buffers,
+                  w_needs_weights)
     if check:
         validate(sched)
     return sched
@@ -74,8 +75,10 @@ def cached_schedule(name: str, pp: int, vp: int, microbatches: int, group_size: 
 def schedule_for(cfg: Config, check: bool = False) -> Schedule:
     g = cfg.group_size or default_group_size(cfg.schedule, cfg.pp, cfg.microbatches)
     lowering_zero = max(cfg.zero_stage, 1)  # ZeRO-0 reduces (all-reduces) where ZeRO-1 reduce-scatters
+    # A W of weight-gradient GEMMs alone reads kept activations, not weights (as the runtime's deferred W).
+    w_needs_weights = not cfg.split_backward or cfg.w_reruns_input_grad
     return cached_schedule(cfg.schedule, cfg.pp, cfg.vp, cfg.microbatches, g, lowering_zero,
-                           cfg.weight_buffers, cfg.grad_buffers, check)
+                           cfg.weight_buffers, cfg.grad_buffers, check, w_needs_weights)
 
 
 @dataclass
