@@ -237,10 +237,12 @@ def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int
         def next_weight_use(stage: int, after: int) -> int:
             return next((j for j in weight_runs if j > after and stages[j] == stage), len(runs) + 1)
 
-        def make_room(i: int, keep: int) -> bool:
+        def make_room(i: int, keep: int, due: int | None = None) -> bool:
+            """Free a weight buffer at run i, keeping `keep`; for a prefetch due at run `due`, only by evicting
+            a stage not used again before it."""
             if len(resident) < nw:
                 return True
-            victims = [s for s in resident if s != keep]
+            victims = [s for s in resident if s != keep and (due is None or next_weight_use(s, i) > due)]
             if not victims:
                 return False
             victim = max(victims, key=lambda s: next_weight_use(s, i))
@@ -255,12 +257,15 @@ def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int
                     raise ScheduleError("internal: no weight buffer for the current stage")  # nw >= 1
                 pre[i].append(Action(Op.GATHER, s))
                 resident.append(s)
-            if k + 1 < len(weight_runs) and stages[weight_runs[k + 1]] not in resident:
-                nxt = stages[weight_runs[k + 1]]
-                if make_room(i, s):
+            # Prefetch the next stage another weight run uses: the next run, or (split backward, where runs of
+            # one stage are cut by W's of others) the first run past this stage's.
+            nxt_k = next((j for j in range(k + 1, len(weight_runs)) if stages[weight_runs[j]] != s), None)
+            if nxt_k is not None and stages[weight_runs[nxt_k]] not in resident:
+                nxt = stages[weight_runs[nxt_k]]
+                if make_room(i, s, weight_runs[nxt_k]):
                     pre[i].append(Action(Op.GATHER, nxt))
                     resident.append(nxt)
-                else:  # one buffer only: gather after this run, without overlap
+                elif nxt_k == k + 1 and nw == 1:  # one buffer only: gather after this run, without overlap
                     post[i].append(Action(Op.RELEASE, s))
                     resident.remove(s)
                     post[i].append(Action(Op.GATHER, nxt))
