@@ -9,7 +9,12 @@ added with --add-variant NAME=stock|plugin:"FLAGS", e.g. later schedules):
   --overlap-param-gather; the best of the stock-g<G> runs is the baseline;
 - plugin-bf-distopt: `python -m megatron_bfpp.launch`, --pipeline-schedule breadth-first with Megatron's own
   distributed optimizer and overlap flags (no --zero-stage): what the schedule buys;
-- plugin-bf-zero3: the launcher, --pipeline-schedule breadth-first --zero-stage 3: what the sharding adds.
+- plugin-bf-zero3: the launcher, --pipeline-schedule breadth-first --zero-stage 3: what the sharding adds;
+- plugin-izb-distopt, plugin-bfzb-zero3 (not in the default list): the split-backward schedules interleaved-zb
+  with Megatron's distributed optimizer and breadth-first-zb with ZeRO-3. Their W's move work only on layers
+  that defer their weight GEMMs (Megatron-Core's local linears without tensor parallelism or gradient-
+  accumulation fusion); with TransformerEngine layers or T > 1 every W's work runs at its I, and these
+  variants measure the split's overhead, not a gain.
 
 Every variant gets the same model-level settings: --bf16 (fp32 on --cpu-smoke), TransformerEngine layers when
 importable (else --transformer-impl local, with a note), and at T > 1 --sequence-parallel plus, with
@@ -329,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="repetitions per variant, interleaved A B C A B C ...")
     p.add_argument("--variants", default=",".join(BUILTIN),
                    help=f"comma-separated, run in this order (default {','.join(BUILTIN)}; 'stock' expands to "
-                        f"stock-g<G> for each --stock-group-sizes G)")
+                        f"stock-g<G> for each --stock-group-sizes G; also built in: plugin-izb-distopt, "
+                        f"plugin-bfzb-zero3)")
     p.add_argument("--stock-group-sizes", default="auto",
                    help="stock's --microbatch-group-size-per-virtual-pipeline-stage candidates, comma-separated; the "
                         "best is the baseline (default auto: P and 2P where 2P divides M)")
@@ -432,6 +438,11 @@ def variants(a: argparse.Namespace, lay: dict) -> list[Variant]:
                                      "breadth-first, Megatron's distributed optimizer"),
         "plugin-bf-zero3": Variant("plugin-bf-zero3", True, ["--pipeline-schedule", "breadth-first", "--zero-stage", "3"],
                                    "breadth-first, the plugin's ZeRO-3"),
+        "plugin-izb-distopt": Variant("plugin-izb-distopt", True, ["--pipeline-schedule", "interleaved-zb", *DIST_OPT],
+                                      "interleaved zero-bubble (split backward), Megatron's distributed optimizer"),
+        "plugin-bfzb-zero3": Variant("plugin-bfzb-zero3", True,
+                                     ["--pipeline-schedule", "breadth-first-zb", "--zero-stage", "3"],
+                                     "breadth-first with W deferral (split backward), the plugin's ZeRO-3"),
     }
     for spec in a.add_variant:
         name, _, rest = spec.partition("=")

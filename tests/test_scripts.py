@@ -449,6 +449,28 @@ def test_ab_dry_run_fair_variants_checked_by_megatron(monkeypatch: pytest.Monkey
     assert args.sequence_parallel and args.microbatch_group_size_per_vp_stage == 8
 
 
+@needs_mlm
+def test_ab_dry_run_split_backward_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The zero-bubble variants: the same model-level flags as stock, their schedule and data-parallel flags,
+    checked by the project's validation and accepted by Megatron's parser."""
+    lines, cmds = _ab_dry_run("--model", "13b", "--nnodes", "8", "--stock-group-sizes", "8",
+                              "--variants", "stock,plugin-izb-distopt,plugin-bfzb-zero3", mlm=MEGATRON_LM_DIR)
+    assert list(cmds) == ["stock", "plugin-izb-distopt", "plugin-bfzb-zero3"]
+    assert sum(ln.startswith("# check ") and ": ok: PluginConfig(" in ln for ln in lines) == 3
+    flags = {v: _flags_after_script(c) for v, c in cmds.items()}
+    izb, bfzb = flags["plugin-izb-distopt"], flags["plugin-bfzb-zero3"]
+    assert _flag(izb, "--pipeline-schedule") == "interleaved-zb" and "--use-distributed-optimizer" in izb
+    assert _flag(bfzb, "--pipeline-schedule") == "breadth-first-zb" and _flag(bfzb, "--zero-stage") == "3"
+    common = flags["stock"][:-5]
+    assert izb[: len(common)] == common and bfzb[: len(common)] == common
+    from megatron_bfpp.megatron.check import parse_megatron_args
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    for f in (izb, bfzb):
+        args = parse_megatron_args(f, world_size=64)
+        assert args.pipeline_schedule in ("interleaved-zb", "breadth-first-zb")
+
+
 def test_ab_dry_run_te_overlap_added_variant_and_bad_names() -> None:
     _, cmds = _ab_dry_run("--model", "13b", "--nnodes", "2", "--no-check", "--transformer-impl", "transformer_engine",
                           "--variants", "stock,plugin-bf-zero3,zb", "--stock-group-sizes", "8",
