@@ -521,6 +521,18 @@ def test_zero_stage_accepts(flags: list[str]) -> None:
     bm.validate_args(parse_megatron_args(CHECK + flags, 2))
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-zb", "breadth-first-zb"])
+@pytest.mark.parametrize("sharding", [[], ["--zero-stage", "1"]], ids=["megatron-ddp", "zero1"])
+def test_split_backward_refuses_per_layer_cuda_graphs(schedule: str, sharding: list[str]) -> None:
+    """A layer's CUDA graph replays its whole backward; the split backward runs it in two parts."""
+    flags = [f for f in CHECK if f != "breadth-first"] + [schedule, *sharding, "--cuda-graph-impl", "local"]
+    with pytest.raises(bm.ConfigError) as e:
+        bm.validate_args(parse_megatron_args(flags, 2))
+    msg = str(e.value)
+    assert "--cuda-graph-impl local" in msg and schedule in msg and "--cuda-graph-impl none" in msg, msg
+    bm.validate_args(parse_megatron_args([f for f in flags if f not in ("--cuda-graph-impl", "local")], 2))
+
+
 def test_full_iteration_graphs_message_suggests_per_layer_only_where_allowed() -> None:
     for zero, per_layer in (("1", True), ("3", False)):
         with pytest.raises(bm.ConfigError) as e:

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from megatron_bfpp.schedule import ScheduleError, build, lower
+from megatron_bfpp.schedule.ir import SPLIT_BACKWARD_SCHEDULES
 
 from .flags import DEFAULT_BUFFERS, PIPELINE_SCHEDULES
 
@@ -131,19 +132,21 @@ def _flag(args: argparse.Namespace, name: str, default=None):
     return getattr(args, name, default)
 
 
-def _check_zero_stage_readers(args: argparse.Namespace, zero: int) -> None:
-    """Megatron-LM features that read or write parameters, `main_grad` or `.grad` outside the schedule, where
-    --zero-stage frees or shards that storage between uses (ZeRO-2: full gradients; ZeRO-3: weights too)."""
+def _per_layer_graphs(args: argparse.Namespace) -> str | None:
+    """The flag that turns on per-layer CUDA graphs (as the user spelled it), or None."""
     graphs = _flag(args, "cuda_graph_impl", "none")
     for name, flag, impl in (("enable_cuda_graph", "--enable-cuda-graph", "local"),
                              ("external_cuda_graph", "--external-cuda-graph", "transformer_engine")):
         if _flag(args, name, False):  # 0.16 keeps the deprecated flags; 0.19 maps them to --cuda-graph-impl
-            graphs = impl if graphs in (None, "none") else graphs
-            graph_flag = flag
-            break
-    else:
-        graph_flag = f"--cuda-graph-impl {graphs}"
-    if zero in (2, 3) and graphs not in (None, "none", "full_iteration"):
+            return flag if graphs in (None, "none") or graphs == impl else None
+    return None if graphs in (None, "none", "full_iteration") else f"--cuda-graph-impl {graphs}"
+
+
+def _check_zero_stage_readers(args: argparse.Namespace, zero: int) -> None:
+    """Megatron-LM features that read or write parameters, `main_grad` or `.grad` outside the schedule, where
+    --zero-stage frees or shards that storage between uses (ZeRO-2: full gradients; ZeRO-3: weights too)."""
+    graph_flag = _per_layer_graphs(args)
+    if zero in (2, 3) and graph_flag is not None:
         what = "parameters and full gradients" if zero == 3 else "full gradients (main_grad)"
         raise ConfigError(
             f"{graph_flag} (per-layer CUDA graphs) with --zero-stage {zero}: the graphs capture fixed tensor "
@@ -251,6 +254,14 @@ def validate_args(args: argparse.Namespace) -> PluginConfig:
                 "--loss-scale for dynamic scaling, set a constant --loss-scale > 1, or use --bf16"
             )
     if runtime:
+        graph_flag = _per_layer_graphs(args)
+        if schedule in SPLIT_BACKWARD_SCHEDULES and graph_flag is not None:
+            raise ConfigError(
+                f"{graph_flag} (per-layer CUDA graphs) with --pipeline-schedule {schedule}: a layer's graph "
+                f"replays its whole backward, which the split backward (I now, W later) divides in two; drop "
+                f"{graph_flag.split()[0]} (use --cuda-graph-impl none) or use a fused schedule (breadth-first, "
+                "interleaved-1f1b)"
+            )
         if _flag(args, "cuda_graph_impl", "none") == "full_iteration":
             per_layer = ("--cuda-graph-impl local/transformer_engine (per-layer), " if zero in (None, 1) else "")
             raise ConfigError(
