@@ -5,6 +5,8 @@
 #  1. bfpp train, P=1, V=2, --pipeline-schedule breadth-first --zero-stage 3, 20 iterations, against the same
 #     model as one chunk under 1f1b with ZeRO-1 (at P=1 the order of Megatron's default schedule; the trainer's
 #     initialisation does not depend on the layout, and dropout is off, so the losses must agree).
+#     The same with --pipeline-schedule interleaved-zb (split backward: I now, W later; the deferred weight
+#     GEMMs on CUDA, and a W after its stage's ZeRO-3 release) against the same reference.
 #  2. Megatron-LM pretrain_gpt.py (a patched copy of MEGATRON_LM_DIR), P=1, --pipeline-schedule 1f1b
 #     --zero-stage 3 (the plugin's runtime and sharded optimizer on CUDA; Megatron-LM's own argument checks refuse
 #     virtual stages at P=1, so breadth-first needs P >= 2, i.e. two GPUs), against --pipeline-schedule default
@@ -31,7 +33,7 @@ RUN_TIMEOUT="${GPU_CHECK_RUN_TIMEOUT:-100}"
 LAYER_TIMEOUT=90
 
 die() { echo "gpu_check: error: $*" >&2; exit 2; }
-usage() { sed -n '17,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '19,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -75,6 +77,7 @@ COMMON=(
 )
 VIRTUAL=(--num-layers-per-virtual-pipeline-stage 4)   # V = 2 chunks at P = 1
 BF=(--pipeline-schedule breadth-first --zero-stage 3)
+ZB=(--pipeline-schedule interleaved-zb --zero-stage 3 --bfpp-weight-buffers 1)
 MLM_FLAGS=(--mock-data --tokenizer-type NullTokenizer --transformer-impl "$IMPL" --eval-iters 0
   --eval-interval $((ITERS + 1)) --log-throughput --log-memory-interval 1)
 
@@ -106,9 +109,11 @@ if [ "$DRY_RUN" = 0 ]; then
   "$ROOT/scripts/apply_megatron_patches.sh" --no-commit "$MLM"
 fi
 
-step "1. bfpp train: breadth-first ZeRO-3 (V=2) against 1f1b ZeRO-1 (V=1)"
+step "1. bfpp train: breadth-first and interleaved-zb, ZeRO-3 (V=2), against 1f1b ZeRO-1 (V=1)"
 run bfpp_bf "$RUN_TIMEOUT" bfpp train --nproc-per-node 1 "${COMMON[@]}" "${VIRTUAL[@]}" "${BF[@]}" --mock-data \
   --report-json "$OUT/bfpp_bf.json"
+run bfpp_zb "$RUN_TIMEOUT" bfpp train --nproc-per-node 1 "${COMMON[@]}" "${VIRTUAL[@]}" "${ZB[@]}" --mock-data \
+  --report-json "$OUT/bfpp_zb.json"
 run bfpp_ref "$RUN_TIMEOUT" bfpp train --nproc-per-node 1 "${COMMON[@]}" --pipeline-schedule 1f1b --zero-stage 1 \
   --mock-data --report-json "$OUT/bfpp_ref.json"
 
@@ -148,7 +153,7 @@ run layer "$LAYER_TIMEOUT" "$PYTHON" "$ROOT/scripts/gpu_check.py" layer --model 
 
 step "4. summary"
 summary=("$PYTHON" "$ROOT/scripts/gpu_check.py" summary --out "$OUT" --hardware h200
-  --pair bfpp_bf=bfpp_ref --pair megatron_bf=megatron_ref)
+  --pair bfpp_bf=bfpp_ref --pair bfpp_zb=bfpp_ref --pair megatron_bf=megatron_ref)
 echo "+ $(printf '%q ' "${summary[@]}")"
 if [ "$DRY_RUN" = 1 ]; then
   echo "dry run: nothing was run"

@@ -54,7 +54,7 @@ def test_dry_run_prints_every_command_and_runs_nothing(dry_run) -> None:
     torchrun = [c for c in cmds if c[0] == "torchrun"]
     checks = [c for c in cmds if "megatron_bfpp.megatron.check" in c]
     helper = [c for c in cmds if any(x.endswith("gpu_check.py") for x in c)]
-    assert len(bfpp) == 2 and len(torchrun) == 2 and len(checks) == 2
+    assert len(bfpp) == 3 and len(torchrun) == 2 and len(checks) == 2
     assert [c[c.index(next(x for x in c if x.endswith("gpu_check.py"))) + 1] for c in helper] == ["layer", "summary"]
     for c in bfpp + torchrun:
         assert c[c.index("--pipeline-model-parallel-size") + 1] == "1" and "--bf16" in c
@@ -62,6 +62,11 @@ def test_dry_run_prints_every_command_and_runs_nothing(dry_run) -> None:
     bf = [c for c in bfpp if "breadth-first" in c]
     assert len(bf) == 1 and bf[0][bf[0].index("--zero-stage") + 1] == "3"
     assert "--num-layers-per-virtual-pipeline-stage" in bf[0]  # V >= 2 chunks
+    # The split backward on CUDA, with one weight buffer so that W's run after their stage's ZeRO-3 release.
+    zb = [c for c in bfpp if "interleaved-zb" in c]
+    assert len(zb) == 1 and zb[0][zb[0].index("--zero-stage") + 1] == "3"
+    assert zb[0][zb[0].index("--bfpp-weight-buffers") + 1] == "1" and "--num-layers-per-virtual-pipeline-stage" in zb[0]
+    assert "bfpp_zb=bfpp_ref" in stdout  # compared with the same reference
     # Megatron-LM refuses virtual stages at P = 1: on one GPU its run is the plugin's 1f1b with ZeRO-3.
     plugin = [c for c in torchrun if c[c.index("--pipeline-schedule") + 1] == "1f1b"]
     assert len(plugin) == 1 and plugin[0][plugin[0].index("--zero-stage") + 1] == "3"
