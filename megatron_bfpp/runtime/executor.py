@@ -354,7 +354,7 @@ class ScheduleExecutor:
     def _do_W(self, a: Action) -> None:
         """Split backward, part 2: the weight gradients, accumulated into main_grad as a B would."""
         s, m = a.stage, a.microbatch
-        if self.schedule.w_needs_weights:
+        if Op.W in self.schedule.weight_ops:
             self._wait_params(s)
         self._grad_buffer(s)
         pending = self.pending_weight_grads.pop((s, m))

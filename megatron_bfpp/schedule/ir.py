@@ -37,6 +37,12 @@ DP_OPS = frozenset({Op.GATHER, Op.RELEASE, Op.REDUCE})
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first", "breadth-first-zb", "interleaved-zb",
                   "zb-h1")
 SPLIT_BACKWARD_SCHEDULES = ("breadth-first-zb", "interleaved-zb", "zb-h1")
+
+
+def weight_ops(w_needs_weights: bool) -> frozenset[Op]:
+    """Compute ops that read their stage's weights: all of them, or all but W when a W computes weight
+    gradients from kept activations alone."""
+    return COMPUTE_OPS if w_needs_weights else COMPUTE_OPS - {Op.W}
 GROUPED_SCHEDULES = ("interleaved-1f1b", "breadth-first", "breadth-first-zb")  # take a micro-batch group size
 
 
@@ -158,6 +164,11 @@ class Schedule:
 
     def stages_of(self, rank: int) -> list[int]:
         return [rank + c * self.pp for c in range(self.vp)]
+
+    @property
+    def weight_ops(self) -> frozenset[Op]:
+        """Compute ops of this schedule that read their stage's weights (ZeRO-3: they run gathered)."""
+        return weight_ops(self.w_needs_weights)
 
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.ranks[rank] if a.op in COMPUTE_OPS]

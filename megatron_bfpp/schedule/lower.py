@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .ir import COMPUTE_OPS, INPUT_GRAD_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError
+from .ir import COMPUTE_OPS, INPUT_GRAD_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError, weight_ops
 
 # Ops that write a stage's weight gradients: they need its gradient buffer, and its REDUCE follows the last.
 # (The small gradients an I computes besides the deferred weight GEMMs wait in .grad until its W.)
@@ -217,16 +217,15 @@ def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int
                    w_needs_weights: bool) -> list[Action]:
     runs = _runs(actions)
     stages = [_run_stage(r) for r in runs]
-    # Runs that use their stage's weights (all of them, unless a W computes from kept activations alone).
-    weight_runs = [i for i, r in enumerate(runs)
-                   if any(a.op in COMPUTE_OPS and (w_needs_weights or a.op != Op.W) for a in r)]
+    reads_weights = weight_ops(w_needs_weights)
+    weight_runs = [i for i, r in enumerate(runs) if any(a.op in reads_weights for a in r)]
     pre: list[list[Action]] = [[] for _ in runs]
     post: list[list[Action]] = [[] for _ in runs]
     tail: list[Action] = []
 
-    def next_use(stage: int, after: int, want_backward: bool = False) -> int:
+    def next_grad_use(stage: int, after: int) -> int:
         for j in range(after + 1, len(runs)):
-            if stages[j] == stage and (not want_backward or any(a.op in GRAD_WRITE_OPS for a in runs[j])):
+            if stages[j] == stage and any(a.op in GRAD_WRITE_OPS for a in runs[j]):
                 return j
         return len(runs) + 1  # never again this step
 
@@ -294,7 +293,7 @@ def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int
         s = stages[i]
         if zero >= 2 and s not in grad_resident:
             if len(grad_resident) >= ng:
-                victim = max((v for v in grad_resident if v != s), key=lambda v: next_use(v, i, True))
+                victim = max((v for v in grad_resident if v != s), key=lambda v: next_grad_use(v, i))
                 grad_resident.remove(victim)
                 post[last_bwd[victim]].append(Action(Op.REDUCE, victim))
             grad_resident.append(s)
@@ -304,19 +303,18 @@ def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int
             if s in grad_resident:
                 grad_resident.remove(s)
 
-    def after_last(run: list[Action], ops: frozenset[Op] | set[Op]) -> int:
+    def after_last(run: list[Action], ops: frozenset[Op]) -> int:
         """Index just past the run's last action in `ops` (and the gradient send that follows it)."""
         cut = max(k for k, a in enumerate(run) if a.op in ops) + 1
         return cut + 1 if cut < len(run) and run[cut].op == Op.SEND_B else cut
 
     def before_trailing_w(run: list[Action]) -> int:
         """Index of the run's first W after its last use of the weights (its end if there is none)."""
-        cut = after_last(run, weight_ops)
+        cut = after_last(run, reads_weights)
         while cut < len(run) and run[cut].op not in COMPUTE_OPS:
             cut += 1
         return cut
 
-    weight_ops = set(COMPUTE_OPS) - (set() if w_needs_weights else {Op.W})
     out: list[Action] = []
     for i, run in enumerate(runs):
         # A REDUCE goes right after the run's last backward (and its send), ahead of any forward that follows;

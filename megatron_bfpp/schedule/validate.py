@@ -190,8 +190,7 @@ def simulate_order(schedule: Schedule) -> list[tuple[int, int]]:
                     if a.stage not in gathered[r]:
                         raise ScheduleError(f"rank {r} step {pcs[r]}: {a.text} but stage {a.stage} is not gathered")
                     gathered[r].discard(a.stage)
-                elif (a.op in COMPUTE_OPS and zero3 and a.stage not in gathered[r]
-                      and (schedule.w_needs_weights or a.op != Op.W)):
+                elif a.op in schedule.weight_ops and zero3 and a.stage not in gathered[r]:
                     raise ScheduleError(
                         f"rank {r} step {pcs[r]}: {a.text} runs without its parameters gathered (ZeRO-3)"
                     )

@@ -199,7 +199,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                         wname = ("RECV_F" if is_f else "RECV_B") + f"{s}:{m}"
                 # parameters
                 end_floor = 0.0
-                uses_weights = sched.w_needs_weights or op is not Op.W
+                uses_weights = op in sched.weight_ops
                 if zero == 3 and uses_weights:
                     g = st.gather_end.get(s, 0.0)
                     if g > why_t:
