@@ -19,7 +19,9 @@ Stock Megatron runs on CPU through tests/megatron_cpu_shim.py (test/benchmark on
 configuration Megatron-LM uses for interleaving (overlap_p2p_comm=True, batch_p2p_comm=False).
 
 A step is: zero grads, the schedule's forward-backward over M micro-batches, the tied-embedding gradient
-all-reduce, the data-parallel gradient all-reduce (D > 1), an Adam step; timed between two barriers on
+all-reduce, the data-parallel gradient all-reduce (D > 1), an Adam step (torch's fused CPU Adam by default, as
+Megatron steps with a fused multi-tensor Adam on GPU; --optimizer for-loop for torch's per-parameter loop, which
+adds a fixed cost to every variant's step); timed between two barriers on
 every rank. Repetitions are interleaved (A B C D E A B C D E ...) so drift hits every variant alike; the
 first --warmup rounds are dropped. Reported per variant: median wall time per step with quartiles; its ratio
 to ours-bf's median; the paired ratio (each round's time over ours-bf's time in the same round: median and
@@ -79,7 +81,7 @@ CSV_FIELDS = ("P", "V", "D", "M", "micro_batch_size", "num_layers", "hidden_size
               "paired_ratio_p25", "paired_ratio_p75", "cpu_ms_all_ranks", "cpu_ratio_to_ours_bf", "reps",
               "step0_loss", "paired_ratio_to_stock_median", "paired_ratio_to_stock_p25", "paired_ratio_to_stock_p75",
               "measured_bubble", "measured_bubble_ms", "measured_compute_ms", "measured_exposed_p2p_ms",
-              "measured_window_ms", "record_rounds")
+              "measured_window_ms", "record_rounds", "optimizer")
 
 
 # --------------------------------------------------------------------------------------------------- args
@@ -103,6 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--record-rounds", type=int, default=3,
                    help="extra rounds of our variants with the action recorder on, for the measured bubble "
                         "(0: none)")
+    p.add_argument("--optimizer", choices=("fused", "for-loop"), default="fused",
+                   help="Adam implementation for every variant (default: torch's fused Adam)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "ab_schedules.csv"))
     args = p.parse_args(argv)
@@ -199,6 +203,11 @@ def _dp_allreduce(params: list[torch.nn.Parameter]) -> None:
         offset += g.numel()
 
 
+def _adam(args, chunks: list[torch.nn.Module]) -> torch.optim.Optimizer:
+    return torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=1e-4,
+                            fused=args.optimizer == "fused")
+
+
 def _finish(chunks: list[torch.nn.Module], opt: torch.optim.Optimizer) -> None:
     from megatron_bfpp.model import allreduce_tied_embedding_grads
 
@@ -215,7 +224,7 @@ def _megatron_variant(args, pp: int, vp: int, m: int, name: str) -> Variant:
     from tests.megatron_cpu_shim import stock_schedules_on_cpu
 
     chunks = _chunks(args, pp, vp)
-    opt = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=1e-4)
+    opt = _adam(args, chunks)
     group = {"ours-bf": None, "ours-interleaved": pp, "stock-G=M": m, "stock-G=P": pp, "ours-bf-zb": None,
              "ours-interleaved-zb": None}[name]
     if name.startswith("stock"):
@@ -248,7 +257,7 @@ def _torch_variant(args, pp: int, vp: int, m: int) -> Variant:
     stages = [PipelineStage(StageModule(c, args.seq_length), k * pp + rank, pp * vp, torch.device("cpu"),
                             group=group) for k, c in enumerate(chunks)]
     schedule = ScheduleLoopedBFS(stages, m, loss_fn=masked_ce)
-    opt = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=1e-4)
+    opt = _adam(args, chunks)
     first, last = any(c.pre_process for c in chunks), any(c.post_process for c in chunks)
 
     def step(batches: list[dict]) -> list[float]:
@@ -388,7 +397,7 @@ def run_case(args, pp: int, vp: int, m: int) -> list[dict]:
                      "paired_ratio_median": r50, "paired_ratio_p25": r25, "paired_ratio_p75": r75,
                      "cpu_ms_all_ranks": 1e3 * statistics.median(cpu[i].tolist()),
                      "cpu_ratio_to_ours_bf": statistics.median(cpu[i].tolist()) / statistics.median(cpu[base].tolist()),
-                     "reps": args.reps, "step0_loss": statistics.fmean(losses0[v.name]),
+                     "reps": args.reps, "optimizer": args.optimizer, "step0_loss": statistics.fmean(losses0[v.name]),
                      "step0_losses": losses0[v.name],
                      "paired_ratio_to_stock_median": s50, "paired_ratio_to_stock_p25": s25,
                      "paired_ratio_to_stock_p75": s75,
