@@ -37,6 +37,27 @@ def _ws_after_release(schedule) -> int:
     return count
 
 
+def _watch_grad_buffers_at_i() -> dict[str, int]:
+    """Count, over the I's that run before their stage's first W of the step, those that found the stage's
+    full gradient buffer allocated (ZeRO-2/3 must take it only at the first W)."""
+    from megatron_bfpp.runtime.executor import ScheduleExecutor
+    from megatron_bfpp.schedule import Op
+
+    counts = {"i_before_w": 0, "buffer_at_i": 0}
+    do_i = ScheduleExecutor._do_I
+
+    def watched_i(self, a):
+        do_i(self, a)
+        chunk = self.model[self.schedule.chunk_of(a.stage)]
+        first_w = next(b for b in self.actions if b.op == Op.W and b.stage == a.stage)
+        if getattr(self.driver, "zero_stage", 0) >= 2 and self.actions.index(a) < self.actions.index(first_w):
+            counts["i_before_w"] += 1
+            counts["buffer_at_i"] += any(b.gbuf.allocated for b in chunk.flat_buffers)
+
+    ScheduleExecutor._do_I = watched_i
+    return counts
+
+
 def _worker(rank: int, world: int, runs) -> list:
     import torch.distributed as dist
 
@@ -47,6 +68,7 @@ def _worker(rank: int, world: int, runs) -> list:
     from megatron_bfpp.train_config import parse_trainer_args
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    early = _watch_grad_buffers_at_i()
     results = []
     for schedule, zero, extra in runs:
         flags = BASE + ["--pipeline-schedule", schedule, "--zero-stage", str(zero), *extra]
@@ -67,7 +89,8 @@ def _worker(rank: int, world: int, runs) -> list:
             params = {n: p.detach().clone() for n, p in
                       global_named_parameters(trainer.model, trainer.pp_rank, trainer.pp).items()}
         results.append({"losses": trainer.losses, "grad_norms": norms, "params": params,
-                        "ws_after_release": _ws_after_release(last_schedule())})
+                        "ws_after_release": _ws_after_release(last_schedule()), **early})
+        early.update(i_before_w=0, buffer_at_i=0)
         parallel.destroy_parallel()
     return results
 
@@ -89,6 +112,9 @@ def test_zero_bubble_matches_single_process(runs, index):
         for name, value in got["params"].items():
             _assert_params_close(value, ref["params"][name], name, f"{RUNS[index]} rank {r} {name}")
     assert set().union(*(per_rank[r][index]["params"] for r in range(4))) == set(ref["params"])
+    if RUNS[index][1] >= 2:  # ZeRO-2/3: gradients an I computes wait for the W to take the buffer
+        assert all(per_rank[r][index]["i_before_w"] > 0 for r in range(4)), RUNS[index]
+        assert [per_rank[r][index]["buffer_at_i"] for r in range(4)] == [0] * 4, RUNS[index]
     if "--bfpp-weight-buffers" in RUNS[index][2]:
         assert per_rank[0][index]["ws_after_release"] > 0  # the case this run is here for
 

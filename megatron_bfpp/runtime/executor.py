@@ -105,7 +105,7 @@ class ScheduleExecutor:
         # Chunks whose linear layers defer their weight GEMMs to W (the others split on the autograd graph),
         # and the (stage, micro-batch) pairs whose backward is split, whose forwards build deferring nodes.
         self.defers_weight_grads = [self.split_backward and split_friendly_linears(chunk) > 0 for chunk in self.model]
-        self.split_pairs = {(a.stage, a.microbatch) for a in self.actions if a.op == Op.I}
+        self.split_pairs = schedule.split_pairs(pp_rank)
         # Megatron's pseudo-deallocation of sent outputs, except where the graph split runs (its autograd
         # calls check the output's shape): there outputs stay allocated until their I.
         self.deallocate_by_chunk = [bool(config.deallocate_pipeline_outputs) and (not self.split_backward or d)
@@ -338,7 +338,7 @@ class ScheduleExecutor:
         input_tensor, output, output_grad = self._backward_operands(a)
         t = self.recorder.start() if self.recorder else None
         if self.defers_weight_grads[chunk]:
-            with deferring_weight_grads() as deferred:
+            with deferring_weight_grads() as deferred, self.driver.input_grad(chunk):
                 input_grad = backward_step(input_tensor, output, output_grad, *_BACKWARD_STEP_MODEL_TYPE,
                                            self.config)
             pending = PendingWeightGrad([], deferred=deferred)

@@ -10,7 +10,8 @@ the `config.*_sync_func` hooks that Megatron-LM's `train()` wires).
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import contextlib
+from typing import ContextManager, Protocol, Sequence
 
 import torch
 
@@ -31,6 +32,10 @@ class DataParallelDriver(Protocol):
     def before_backward(self, chunk: int) -> None:
         """Called before every B on `chunk`: make sure a full-size gradient buffer exists to accumulate into."""
 
+    def input_grad(self, chunk: int) -> ContextManager[None]:
+        """Entered around an I on `chunk` whose weight GEMMs are deferred to W: the gradients the I computes
+        (norms, biases, embeddings) may be held aside until the W takes the gradient buffer."""
+
     def reduce(self, chunk: int) -> None:
         """REDUCE: launch the asynchronous reduce-scatter of the chunk's gradients. Must not block."""
 
@@ -46,6 +51,7 @@ class NullDriver:
     def wait_params(self, chunk: int) -> None: ...
     def release(self, chunk: int) -> None: ...
     def before_backward(self, chunk: int) -> None: ...
+    def input_grad(self, chunk: int) -> ContextManager[None]: return contextlib.nullcontext()
     def reduce(self, chunk: int) -> None: ...
     def finish_step(self) -> None: ...
 

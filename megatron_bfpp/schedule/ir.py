@@ -170,6 +170,11 @@ class Schedule:
         """Compute ops of this schedule that read their stage's weights (ZeRO-3: they run gathered)."""
         return weight_ops(self.w_needs_weights)
 
+    def split_pairs(self, rank: int | None = None) -> set[tuple[int, int]]:
+        """(stage, micro-batch) pairs whose backward is split into I and W, on `rank` (default: all ranks)."""
+        ranks = self.ranks if rank is None else [self.ranks[rank]]
+        return {(a.stage, a.microbatch) for actions in ranks for a in actions if a.op == Op.I}
+
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.ranks[rank] if a.op in COMPUTE_OPS]
 

@@ -166,7 +166,7 @@ def simulate_order(schedule: Schedule) -> list[tuple[int, int]]:
     done: list[set[Action]] = [set() for _ in range(schedule.pp)]
     gathered: list[set[int]] = [set() for _ in range(schedule.pp)]
     zero3 = schedule.zero_stage == 3 or any(a.op == Op.GATHER for acts in schedule.ranks for a in acts)
-    split = {(a.stage, a.microbatch) for acts in schedule.ranks for a in acts if a.op == Op.I}
+    split = schedule.split_pairs()
     order: list[tuple[int, int]] = []
     total = sum(len(a) for a in schedule.ranks)
     pending = deque(range(schedule.pp))

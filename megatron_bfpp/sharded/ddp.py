@@ -41,7 +41,6 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 
-from ..runtime.split_backward import deferring as weight_grads_deferred
 from . import comm
 from .buffers import (
     DEFAULT_PARAM_ALIGN,
@@ -227,6 +226,8 @@ class ShardedDataParallel(DistributedDataParallel):
         if self.zero_stage < 2:
             grad_buffers = None
         self.budget = BufferBudget(weight_buffers, grad_buffers)
+        # Set by the driver around an I whose weight GEMMs are deferred (ShardedDriver.input_grad).
+        self.holding_grads_for_w = False
 
         # Attributes Megatron-LM reads on any DDP instance.
         self.force_all_reduce = False
@@ -308,7 +309,7 @@ class ShardedDataParallel(DistributedDataParallel):
         def hook(p: torch.nn.Parameter) -> None:
             if p.grad is None:
                 return
-            if bucket is not None and not bucket.grad_ready and weight_grads_deferred():
+            if bucket is not None and not bucket.grad_ready and self.holding_grads_for_w:
                 # An I (split backward) computing the gradients it does not defer (norms, biases, the
                 # embedding): they wait beside the parameter, accumulated in the buffer's dtype as main_grad
                 # would, and the stage's gradient buffer is taken only by its W.

@@ -8,7 +8,8 @@ full gradient and gathered weight buffers hold for the rank, not per chunk.
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 from .comm import RankStats
 from .ddp import BufferBudget, ShardedDataParallel
@@ -90,6 +91,19 @@ class ShardedDriver:
 
     def before_backward(self, chunk: int) -> None:
         self._chunk(chunk).before_backward()
+
+    @contextlib.contextmanager
+    def input_grad(self, chunk: int) -> Iterator[None]:
+        # Every chunk holds: a tied parameter's gradient hook belongs to the chunk that owns it, which need
+        # not be the one running the I.
+        self._chunk(chunk)
+        for c in self.chunks:
+            c.holding_grads_for_w = True
+        try:
+            yield
+        finally:
+            for c in self.chunks:
+                c.holding_grads_for_w = False
 
     def reduce(self, chunk: int) -> None:
         self._chunk(chunk).start_grad_sync()
