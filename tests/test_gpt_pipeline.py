@@ -22,7 +22,8 @@ P2_CASES = [  # (schedule, V, M, group size)
     ("breadth-first-zb", 2, 4, None), ("interleaved-zb", 2, 4, None), ("zb-h1", 1, 4, None),
 ]
 P4_CASES = [("interleaved-1f1b", 2, 8, None), ("breadth-first", 2, 8, None), ("breadth-first", 2, 8, 4),
-            ("1f1b", 1, 8, None), ("interleaved-zb", 2, 8, None)]
+            ("1f1b", 1, 8, None), ("interleaved-zb", 2, 8, None), ("interleaved-zb", 2, 2, None),
+            ("breadth-first-zb", 2, 2, None)]  # the split schedules at M < P too
 
 
 def _batches(m: int, step: int) -> list[dict]:
@@ -162,7 +163,7 @@ def _assert_params_close(value: torch.Tensor, expected: torch.Tensor, where: str
 @pytest.fixture(scope="module")
 def reference():
     return run_distributed(_reference_worker, 1, [(12, t, 4) for t in (True, False)] +
-                           [(8, t, 8) for t in (True, False)])[0]
+                           [(8, t, m) for t in (True, False) for m in (8, 2)])[0]
 
 
 @pytest.mark.timeout(600)

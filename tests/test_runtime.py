@@ -16,11 +16,11 @@ CASES = [  # (schedule, P, V, M, group size)
     ("interleaved-1f1b", 2, 3, 6, 3), ("breadth-first", 2, 2, 4, None), ("breadth-first", 2, 3, 6, 2),
     ("breadth-first", 2, 2, 1, None), ("interleaved-1f1b", 2, 2, 5, 3),
     ("breadth-first-zb", 2, 2, 4, None), ("breadth-first-zb", 2, 3, 1, None), ("interleaved-zb", 2, 2, 4, None),
-    ("zb-h1", 2, 1, 4, None),
+    ("zb-h1", 2, 1, 4, None), ("interleaved-zb", 2, 3, 1, None),
 ]
 CASES_P4 = [("interleaved-1f1b", 4, 2, 8, 4), ("breadth-first", 4, 2, 8, None), ("breadth-first", 4, 2, 6, 3),
             ("1f1b", 4, 1, 6, None), ("interleaved-zb", 4, 2, 8, None), ("breadth-first-zb", 4, 2, 2, None),
-            ("zb-h1", 4, 1, 4, None)]
+            ("zb-h1", 4, 1, 4, None), ("interleaved-zb", 4, 2, 2, None), ("zb-h1", 4, 1, 2, None)]
 CASES_P1 = [("breadth-first", 1, 3, 4, None), ("interleaved-1f1b", 1, 2, 3, 1), ("gpipe", 1, 1, 2, None)]
 
 

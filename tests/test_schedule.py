@@ -357,7 +357,8 @@ def _torch_zero_bubble_order(pp: int, vp: int, m: int) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("pp,vp,m", [(2, 2, 2), (2, 2, 4), (2, 3, 6), (4, 2, 4), (4, 2, 8), (4, 3, 12), (3, 2, 9),
-                                     (4, 2, 2), (8, 2, 8), (8, 4, 16), (2, 4, 8), (4, 1, 8), (2, 1, 6)])
+                                     (4, 2, 2), (8, 2, 8), (8, 4, 16), (2, 4, 8), (4, 1, 8), (2, 1, 6),
+                                     (2, 3, 1), (4, 3, 3), (4, 1, 2)])
 def test_zero_bubble_order_equals_torch_pipelining(pp, vp, m):
     name = "zb-h1" if vp == 1 else "interleaved-zb"
     ours = [[a.text for a in acts] for acts in build(name, pp, vp, m).ranks]
