@@ -12,9 +12,9 @@ added with --add-variant NAME=stock|plugin:"FLAGS", e.g. later schedules):
 - plugin-bf-zero3: the launcher, --pipeline-schedule breadth-first --zero-stage 3: what the sharding adds;
 - plugin-izb-distopt, plugin-bfzb-zero3 (not in the default list): the split-backward schedules interleaved-zb
   with Megatron's distributed optimizer and breadth-first-zb with ZeRO-3. Their W's move work only on layers
-  that defer their weight GEMMs (Megatron-Core's local linears without tensor parallelism or gradient-
-  accumulation fusion); with TransformerEngine layers or T > 1 every W's work runs at its I, and these
-  variants measure the split's overhead, not a gain.
+  that defer their weight GEMMs (Megatron-Core's local linears without sequence parallelism or gradient-
+  accumulation fusion); with TransformerEngine layers every W's work runs at its I, and these variants
+  measure the split's overhead, not a gain (rank 0's log says how many linear layers deferred).
 
 Every variant gets the same model-level settings: --bf16 (fp32 on --cpu-smoke), TransformerEngine layers when
 importable (else --transformer-impl local, with a note), and at T > 1 --sequence-parallel plus, with

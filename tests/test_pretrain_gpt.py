@@ -330,12 +330,13 @@ def _sequence_parallel_norm() -> str | None:
 
 @needs_checkout
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("zero", ["3"])
-@pytest.mark.parametrize("sp", ["tp2", "tp2-sp"])
-def test_tensor_parallel_2_matches_stock(mlm: Runner, zero: str, sp: str) -> None:
+@pytest.mark.parametrize("sp,schedule,zero", [("tp2", "breadth-first", "3"), ("tp2-sp", "breadth-first", "3"),
+                                               ("tp2", "interleaved-zb", "2")])
+def test_tensor_parallel_2_matches_stock(mlm: Runner, zero: str, sp: str, schedule: str) -> None:
     """T = 2 (4 ranks), with and without --sequence-parallel, against stock at T = 2: the grad norm counts
     TP-sharded and duplicated parameters once; with sequence parallelism the LayerNorm gradients must still be
-    all-reduced across T under the sharded finalize."""
+    all-reduced across T under the sharded finalize. interleaved-zb: the column-parallel linears defer their
+    weight GEMMs too, their input gradients summed over T at I."""
     t2 = ["--tensor-model-parallel-size", "2"]
     if sp == "tp2-sp":
         reason = _sequence_parallel_norm()
@@ -343,8 +344,12 @@ def test_tensor_parallel_2_matches_stock(mlm: Runner, zero: str, sp: str) -> Non
             pytest.skip(reason)
         t2.append("--sequence-parallel")
     ref = mlm.run("stock", TINY + P2V2 + t2, nproc=4)
-    run = mlm.run("patched", TINY + P2V2 + t2 + ["--pipeline-schedule", "breadth-first", "--zero-stage", zero],
+    run = mlm.run("patched", TINY + P2V2 + t2 + ["--pipeline-schedule", schedule, "--zero-stage", zero],
                   nproc=4)
+    if schedule == "interleaved-zb":  # every linear of the first rank's chunks defers (none is left at I)
+        lines = re.findall(r"interleaved-zb, model chunk \d: (\d+) linear layers defer their weight GEMMs to W(.*)",
+                           run.output)
+        assert len(lines) == 2 and all(int(n) > 0 and not rest for n, rest in lines), lines
     assert_same_training(run, ref)
     assert_same_validation(run, ref)
 

@@ -95,6 +95,44 @@ def test_single_rank_several_chunks():
     _check(CASES_P1, run_distributed(_pipeline_worker, 1, CASES_P1), 1)
 
 
+SELF_ACCUMULATING = [("interleaved-zb", 2, 2, 4, None), ("breadth-first-zb", 2, 2, 4, None)]
+
+
+def _self_accumulating_worker(rank: int, world: int, cases) -> list:
+    import torch.distributed as dist
+
+    from megatron_bfpp.runtime import get_forward_backward_func, set_wait_timeout
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    set_wait_timeout(60)
+    pg = SimpleNamespace(pp=dist.new_group(list(range(world))), dp=None)
+    results = []
+    for name, pp, vp, m, g in cases:
+        stages = [rank + c * pp for c in range(vp)]
+        chunks = [toy.SelfAccumulatingToyStage(toy.make_transformer_config(), s, pp * vp) for s in stages]
+        fb = get_forward_backward_func(name, g)
+        with strict_p2p():
+            fb(forward_step_func=toy.forward_step, data_iterator=[iter(toy.make_batches(m)) for _ in chunks],
+               model=chunks, num_microbatches=m, seq_length=toy.SEQ, micro_batch_size=toy.MBS, pg_collection=pg)
+        results.append({s: (c.linear.weight.main_grad.clone(), c.linear.bias.grad.clone())
+                        for s, c in zip(stages, chunks)})
+    return results
+
+
+@pytest.mark.timeout(300)
+def test_split_backward_runs_self_accumulating_layers_once():
+    """Megatron-Core chunks whose layers add their weight gradient into main_grad in their own backward
+    (TransformerEngine's, fused gradient accumulation) run it whole at I, once: a split on the autograd graph
+    would run that backward again at W and double the weight gradient."""
+    per_rank = run_distributed(_self_accumulating_worker, 2, SELF_ACCUMULATING)
+    for i, (name, pp, vp, m, _) in enumerate(SELF_ACCUMULATING):
+        _, ref_grads = toy.reference(pp * vp, toy.make_batches(m))
+        for r in range(pp):
+            for s, (w, b) in per_rank[r][i].items():
+                torch.testing.assert_close(w, ref_grads[s][0], rtol=1e-5, atol=1e-6, msg=f"{name} stage {s}")
+                torch.testing.assert_close(b, ref_grads[s][1], rtol=1e-5, atol=1e-6, msg=f"{name} stage {s}")
+
+
 def _unsafe_order_worker(rank: int, world: int) -> str:
     """Both ranks post a receive ahead of the send the other needs: fine on gloo, a deadlock on NCCL."""
     import torch.distributed as dist

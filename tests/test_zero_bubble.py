@@ -124,69 +124,121 @@ def test_split_backward_does_the_fused_backward_work_once():
     same matmul FLOPs: with the deferring linears, the weight-gradient GEMMs run at W only and everything else
     at I. The graph split alone (PyTorch pipelining's, what a chunk without adaptable layers gets) runs
     Megatron's linear Function's whole backward at I and again at W: more FLOPs, which this test also shows."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
     from megatron_bfpp import parallel
-    from megatron_bfpp.data import causal_mask
-    from megatron_bfpp.model import build_model_chunks, make_transformer_config
-    from megatron_bfpp.runtime.split_backward import (PendingWeightGrad, backward_input, backward_weight,
-                                                       deferring_weight_grads, split_friendly_linears)
+
+    from megatron_bfpp.model import build_model_chunks
 
     parallel.init_single_process()
     try:
-        config = make_transformer_config(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
-                                         attention_dropout=0.0)
-        chunk = build_model_chunks(config, vocab_size=64, max_sequence_length=16, pp_rank=0, pp_size=1,
+        chunk = build_model_chunks(_split_config(1), vocab_size=64, max_sequence_length=16, pp_rank=0, pp_size=1,
                                    vp_size=2, seed=3)[1]  # a stage with an input tensor
-        weights = [p for p in chunk.parameters() if p.requires_grad]
-        x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(0))
-        g = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
-        mask = causal_mask(16)
-
-        def forward():
-            for p in weights:
-                p.grad = None
-            inp = x.clone().requires_grad_()
-            chunk.set_input_tensor(inp)
-            return inp, chunk(None, None, mask)
-
-        def flops(fn) -> int:
-            with FlopCounterMode(display=False) as counter:
-                fn()
-            return counter.get_total_flops()
-
-        inp, out = forward()
-        fused = flops(lambda: out.backward(g))
-        ref = ([p.grad.clone() for p in weights], inp.grad.clone())
-
-        def graph_split() -> int:
-            inp, out = forward()
-            box = {}
-            n = flops(lambda: box.update(zip(("dx", "w"), backward_input(inp, out, g, weights, chunk.config))))
-            return n + flops(lambda: backward_weight(box["w"]))
-
-        def deferred_split() -> tuple[int, int, list, torch.Tensor]:
-            with deferring_weight_grads():
-                inp, out = forward()
-            with deferring_weight_grads() as deferred:
-                n_i = flops(lambda: out.backward(g))
-            dx = inp.grad.clone()
-            assert all(p.grad is None for p in weights if any(p is d.weight for d in deferred))
-            n_w = flops(lambda: backward_weight(PendingWeightGrad([], deferred=deferred)))
-            return n_i, n_w, [p.grad.clone() for p in weights], dx
-
-        unadapted = graph_split()
-        assert split_friendly_linears(chunk) > 0 and split_friendly_linears(chunk) == split_friendly_linears(chunk)
-        n_i, n_w, grads, dx = deferred_split()
-        assert n_i + n_w == fused < unadapted and 0 < n_w < fused
-        torch.testing.assert_close(dx, ref[1], rtol=1e-5, atol=1e-6)
-        for a, b in zip(grads, ref[0]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        # Outside an I, a deferring node refuses to lose its weight gradient.
-        with deferring_weight_grads():
-            inp, out = forward()
-        with pytest.raises(RuntimeError, match="outside an I"):
-            out.backward(g)
+        _check_deferred_split(chunk, tensor_parallel=1)
     finally:
         parallel.destroy_parallel()
+
+
+def test_split_backward_defers_tensor_parallel_linears():
+    """At T = 2 (2 processes) every linear of the chunk defers, column-parallel ones included (their input
+    gradient is summed over the tensor-parallel group at I, as Megatron's linear does), with the fused
+    backward's gradients and FLOPs."""
+    assert run_distributed(_tensor_parallel_worker, 2) == [True, True]
+
+
+def _tensor_parallel_worker(rank: int, world: int) -> bool:
+    import torch.distributed as dist
+
+    from megatron_bfpp import parallel
+
+    import torch
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_bfpp.model import layer_spec
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    parallel.init_parallel(1, tensor_model_parallel_size=world, distributed_timeout_seconds=120)
+    try:
+        config = _split_config(world)
+        chunk = GPTModel(config=config, transformer_layer_spec=layer_spec(torch.device("cpu"), config.normalization),
+                         vocab_size=64, max_sequence_length=16, pre_process=False, post_process=True,
+                         share_embeddings_and_output_weights=False)  # a last stage with an input tensor
+        gen = torch.Generator().manual_seed(3)  # any values: fused and split backward see the same ones
+        with torch.no_grad():
+            for p in chunk.parameters():
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        _check_deferred_split(chunk, tensor_parallel=world)
+    finally:
+        parallel.destroy_parallel()
+    return True
+
+
+def _split_config(tensor_parallel: int):
+    from megatron_bfpp.model import make_transformer_config
+
+    return make_transformer_config(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                                   attention_dropout=0.0, tensor_model_parallel_size=tensor_parallel)
+
+
+def _check_deferred_split(chunk, tensor_parallel: int) -> None:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_bfpp.data import causal_mask
+    from megatron_bfpp.runtime.split_backward import (PendingWeightGrad, backward_input, backward_weight,
+                                                       deferring_weight_grads, split_friendly_linears)
+
+    weights = [p for p in chunk.parameters() if p.requires_grad]
+    linears = [m for m in chunk.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(0))  # the same on every T rank
+    g = torch.randn(2, 16, 64 // tensor_parallel, generator=torch.Generator().manual_seed(1))
+    mask = causal_mask(16)
+
+    def forward():
+        for p in weights:
+            p.grad = None
+        inp = x.clone().requires_grad_()
+        chunk.set_input_tensor(inp)
+        return inp, chunk(None, None, mask)
+
+    def flops(fn) -> int:
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        return counter.get_total_flops()
+
+    inp, out = forward()
+    fused = flops(lambda: out.backward(g))
+    ref = ([p.grad.clone() for p in weights], inp.grad.clone())
+    assert all(t.isfinite().all() for t in (*ref[0], ref[1]))
+
+    def graph_split() -> int:
+        inp, out = forward()
+        box = {}
+        n = flops(lambda: box.update(zip(("dx", "w"), backward_input(inp, out, g, weights, chunk.config))))
+        return n + flops(lambda: backward_weight(box["w"]))
+
+    def deferred_split() -> tuple[int, int, list, torch.Tensor, set]:
+        with deferring_weight_grads():
+            inp, out = forward()
+        with deferring_weight_grads() as deferred:
+            n_i = flops(lambda: out.backward(g))
+        dx = inp.grad.clone()
+        assert all(p.grad is None for p in weights if any(p is d.weight for d in deferred))
+        deferred_weights = {id(d.weight) for d in deferred}
+        n_w = flops(lambda: backward_weight(PendingWeightGrad([], deferred=deferred)))
+        return n_i, n_w, [p.grad.clone() for p in weights], dx, deferred_weights
+
+    unadapted = graph_split()
+    assert split_friendly_linears(chunk) == len(linears) > 0
+    assert split_friendly_linears(chunk) == split_friendly_linears(chunk)
+    n_i, n_w, grads, dx, deferred_weights = deferred_split()
+    assert deferred_weights == {id(m.weight) for m in linears}  # every linear deferred, at any T
+    assert n_i + n_w == fused < unadapted and 0 < n_w < fused
+    torch.testing.assert_close(dx, ref[1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, ref[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # Outside an I, a deferring node refuses to lose its weight gradient.
+    with deferring_weight_grads():
+        inp, out = forward()
+    with pytest.raises(RuntimeError, match="outside an I"):
+        out.backward(g)

@@ -10,6 +10,8 @@ from functools import partial
 
 import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 HIDDEN, SEQ, MBS = 8, 4, 2
 
@@ -19,6 +21,12 @@ def make_config(**kw) -> ModelParallelConfig:
     cfg.hidden_size = HIDDEN
     cfg.calculate_per_token_loss = False
     return cfg
+
+
+def make_transformer_config() -> TransformerConfig:
+    """make_config's settings as the TransformerConfig a Megatron-Core module carries."""
+    return TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, pipeline_dtype=torch.float32,
+                             deallocate_pipeline_outputs=True, calculate_per_token_loss=False)
 
 
 class ToyStage(torch.nn.Module):
@@ -40,6 +48,44 @@ class ToyStage(torch.nn.Module):
     def forward(self, x):
         inp = x if self.pre_process else self.input_tensor
         return torch.tanh(self.linear(inp))
+
+
+class _SelfAccumulatingLinear(torch.autograd.Function):
+    """x W^T + b whose backward adds the weight gradient into `weight.main_grad` itself and returns none for
+    the weight, as TransformerEngine's layers and Megatron's fused gradient accumulation do."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x)
+        ctx.weight = weight  # the Parameter itself, which carries main_grad
+        return x @ weight.t() + bias
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,), weight = ctx.saved_tensors, ctx.weight
+        g2 = g.reshape(-1, g.shape[-1])
+        weight.main_grad.add_(g2.t() @ x.reshape(-1, x.shape[-1]))
+        return g @ weight, None, g2.sum(0)
+
+
+class SelfAccumulatingToyStage(MegatronModule):
+    """ToyStage as a Megatron-Core module whose linear accumulates its weight gradient into `main_grad` in its
+    own backward (read the weight's gradient there, the bias's in `.grad`)."""
+
+    def __init__(self, config, stage: int, num_stages: int, seed: int = 0):
+        super().__init__(config)
+        toy = ToyStage(config, stage, num_stages, seed)
+        self.stage, self.num_stages = stage, num_stages
+        self.pre_process, self.post_process = toy.pre_process, toy.post_process
+        self.linear = toy.linear
+        self.linear.weight.main_grad = torch.zeros_like(self.linear.weight)
+        self.input_tensor = None
+
+    set_input_tensor = ToyStage.set_input_tensor
+
+    def forward(self, x):
+        inp = x if self.pre_process else self.input_tensor
+        return torch.tanh(_SelfAccumulatingLinear.apply(inp, self.linear.weight, self.linear.bias))
 
 
 def make_batches(num: int, seed: int = 1) -> list[dict]:

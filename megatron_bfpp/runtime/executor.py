@@ -26,7 +26,7 @@ from .hooks import DataParallelDriver
 from .p2p import PendingTransfer, PipelineP2P
 from .recorder import ActionRecorder
 from .split_backward import (PendingWeightGrad, backward_input, backward_weight, deferring_weight_grads,
-                             split_friendly_linears)
+                             report_deferral, splits_by_deferral)
 
 
 # Megatron-Core before 0.17 (e.g. the one in Megatron-LM core_v0.16.1) takes the model type before the config.
@@ -104,7 +104,7 @@ class ScheduleExecutor:
         self.pending_weight_grads: dict[tuple[int, int], PendingWeightGrad] = {}
         # Chunks whose linear layers defer their weight GEMMs to W (the others split on the autograd graph),
         # and the (stage, micro-batch) pairs whose backward is split, whose forwards build deferring nodes.
-        self.defers_weight_grads = [self.split_backward and split_friendly_linears(chunk) > 0 for chunk in self.model]
+        self.defers_weight_grads = [self.split_backward and splits_by_deferral(chunk) for chunk in self.model]
         self.split_pairs = schedule.split_pairs(pp_rank)
         # Megatron's pseudo-deallocation of sent outputs, except where the graph split runs (its autograd
         # calls check the output's shape): there outputs stay allocated until their I.
@@ -342,6 +342,8 @@ class ScheduleExecutor:
                 input_grad = backward_step(input_tensor, output, output_grad, *_BACKWARD_STEP_MODEL_TYPE,
                                            self.config)
             pending = PendingWeightGrad([], deferred=deferred)
+            report_deferral(self.model[chunk], len(deferred), f"{self.schedule.name}, model chunk {chunk}",
+                            show=self.global_rank == 0)
         else:
             weights = [p for p in self.model[chunk].parameters() if p.requires_grad]
             input_grad, pending = backward_input(input_tensor, output, output_grad, weights, self.config)

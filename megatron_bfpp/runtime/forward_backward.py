@@ -21,7 +21,7 @@ from .executor import PipelineError, ScheduleExecutor
 from .hooks import DataParallelDriver, MegatronConfigDriver
 from .p2p import PipelineP2P
 from .recorder import ActionRecorder
-from .split_backward import split_friendly_linears
+from .split_backward import splits_by_deferral
 
 _state: dict[str, Any] = {"recorder": None, "wait_timeout_s": None, "last_schedule": None, "p2p": {},
                           "last_run": {}, "agreed": set()}
@@ -180,7 +180,7 @@ def get_forward_backward_func(
         # A W that only runs deferred weight GEMMs reads kept activations, not weights (ZeRO-3 may release
         # them after the stage's last I); on chunks split on the autograd graph it may read them.
         w_needs_weights = not (pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
-                               and all(split_friendly_linears(c) > 0 for c in chunks))
+                               and all(splits_by_deferral(c) for c in chunks))
         schedule = _cached_schedule(pipeline_schedule, pp, vp, num_microbatches, group, zero_for_schedule,
                                     bool(forward_only), weight_buffers, grad_buffers, w_needs_weights)
         _state["last_schedule"] = schedule

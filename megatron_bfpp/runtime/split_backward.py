@@ -11,17 +11,18 @@ Two ways to split, chosen per chunk by the runtime:
   weight itself, so its grad-accumulation hooks fire and Megatron's DDP and the sharded wrapper add it into
   `main_grad` exactly as for a B. This is the scheme of TransformerEngine's delayed weight gradients, and it
   costs one extra autograd call per weight, not a second graph traversal.
-- Model-agnostic, on the autograd graph (chunks without such layers), with PyTorch pipelining's
+- Model-agnostic, on the autograd graph (chunks without Megatron-Core modules), with PyTorch pipelining's
   `stage_backward_input`: I computes the input gradient with the graph kept and records, per group of
   weights, the gradients flowing into the intermediate nodes they depend on; W runs the rest of the graph
   from those intermediates down to the weights with `torch.autograd.backward(..., inputs=weights)`. Stage 0
   has no input tensor to differentiate: its I does nothing and its W is the whole backward.
 
-A linear reduces to a plain matmul (and may defer) only without tensor-parallel communication, fused gradient
-accumulation or a deferred embedding wgrad; elsewhere (tensor parallelism, TransformerEngine layers) the
-layer's backward runs whole at I. Loss scaling on the last stage follows Megatron's `backward_step`. Outputs
-of split schedules are not pseudo-deallocated (autograd checks their shapes), which keeps one output per
-pending I.
+A linear defers without sequence parallelism, fused gradient accumulation or a deferred embedding wgrad (a
+column-parallel linear at T > 1 sums its input gradient over the tensor-parallel group at I, as Megatron's
+does); elsewhere (sequence parallelism, TransformerEngine layers) the layer's backward runs whole at I, once:
+Megatron-Core chunks never take the graph split, whose W would run such a layer's backward a second time.
+Loss scaling on the last stage follows Megatron's `backward_step`. Outputs of split schedules are not
+pseudo-deallocated (autograd checks their shapes), which keeps one output per pending I.
 """
 
 from __future__ import annotations
@@ -80,12 +81,15 @@ class _Ref:
 
 
 class _DeferredWeightGradLinear(torch.autograd.Function):
-    """y = x @ W^T whose backward returns dx and defers dW to W."""
+    """y = x @ W^T whose backward returns dx and defers dW to W. With `dgrad_group` (a column-parallel linear
+    at T > 1 without sequence parallelism) dx is summed over the tensor-parallel group, as Megatron's linear
+    does in its backward."""
 
     @staticmethod
-    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, ref: _Ref) -> torch.Tensor:
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, ref: _Ref, dgrad_group: Any = None) -> torch.Tensor:
         ctx.save_for_backward(input, weight)
         ctx.ref = ref
+        ctx.dgrad_group = dgrad_group
         return torch.matmul(input, weight.t())
 
     @staticmethod
@@ -97,7 +101,10 @@ class _DeferredWeightGradLinear(torch.autograd.Function):
                 "its weight gradient would be lost. The schedule gives this micro-batch a B: report it as a bug."
             )
         _deferred.append(DeferredWeightGrad(ctx.ref.param, input, grad_output))
-        return grad_output.matmul(weight), None, None
+        grad_input = grad_output.matmul(weight)
+        if ctx.dgrad_group is not None:
+            torch.distributed.all_reduce(grad_input, group=ctx.dgrad_group)
+        return grad_input, None, None, None
 
 
 def _plain_matmul_impl(original):
@@ -106,19 +113,27 @@ def _plain_matmul_impl(original):
 
     def forward_impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                      sequence_parallel=False, grad_output_buffer=None, *args, **kwargs):
-        plain = (weight.requires_grad and not gradient_accumulation_fusion and not allreduce_dgrad
-                 and not sequence_parallel and grad_output_buffer is None and not args
-                 and kwargs.get("gtp_remat_size", 1) == 1)
-        if not plain:
+        plain = (weight.requires_grad and not gradient_accumulation_fusion and not sequence_parallel
+                 and grad_output_buffer is None and not args and kwargs.get("gtp_remat_size", 1) == 1)
+        defer = plain and _deferred is not None and input.requires_grad and torch.is_grad_enabled()
+        if not plain or (allreduce_dgrad and not defer):
             return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                             grad_output_buffer, *args, **kwargs)
-        if _deferred is not None and input.requires_grad and torch.is_grad_enabled():
-            output = _DeferredWeightGradLinear.apply(input, weight.detach(), _Ref(weight))
+        if defer:
+            group = _tensor_parallel_group(kwargs.get("tp_group")) if allreduce_dgrad else None
+            output = _DeferredWeightGradLinear.apply(input, weight.detach(), _Ref(weight), group)
         else:
             output = torch.matmul(input, weight.t())  # the Function's forward, op for op
         return output + bias if bias is not None else output
 
     return forward_impl
+
+
+def _tensor_parallel_group(tp_group: Any) -> Any:
+    """The group Megatron's linear all-reduces the input gradient over (its default when None)."""
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+    return get_tensor_model_parallel_group_if_none(tp_group)
 
 
 def split_friendly_linears(chunk: torch.nn.Module) -> int:
@@ -139,6 +154,35 @@ def split_friendly_linears(chunk: torch.nn.Module) -> int:
             count += 1
     chunk._bfpp_split_linears = count
     return count
+
+
+def splits_by_deferral(chunk: torch.nn.Module) -> bool:
+    """Whether the chunk's backward splits by deferring weight GEMMs (every chunk holding a Megatron-Core module)
+    rather than on the autograd graph (any other module). A second traversal of the graph would run again the
+    backward of layers that are one autograd Function, and those that accumulate into `main_grad` themselves
+    (TransformerEngine's, Megatron's with gradient-accumulation fusion) would add their weight gradient twice;
+    deferral runs them whole at I, once."""
+    from megatron.core.transformer.module import MegatronModule
+
+    split_friendly_linears(chunk)
+    return any(isinstance(m, MegatronModule) for m in chunk.modules())
+
+
+def report_deferral(chunk: torch.nn.Module, deferred: int, label: str, show: bool) -> str | None:
+    """Once per chunk: how many linear layers deferred their weight GEMMs in its first I (printed when `show`),
+    so a run whose layers cannot defer (W then has nothing to do) says so. Returns the line, or None."""
+    if getattr(chunk, "_bfpp_deferral_reported", False):
+        return None
+    chunk._bfpp_deferral_reported = True
+    line = f"megatron_bfpp: {label}: {deferred} linear layers defer their weight GEMMs to W"
+    if deferred < split_friendly_linears(chunk) or deferred == 0:
+        line += ("; layers with TransformerEngine, gradient-accumulation fusion or sequence parallelism run their "
+                 "whole backward at I")
+    if deferred == 0:
+        line += " (W has no work here: the split schedule cannot fill bubbles with it)"
+    if show:
+        print(line, flush=True)
+    return line
 
 
 @dataclass
