@@ -94,6 +94,28 @@ def test_w_rerunning_the_input_gradient_pays_the_dgrad_gemms_twice():
     assert bf[0] == bf[1]
 
 
+def test_w_at_input_grad_makes_a_split_schedule_its_fused_order():
+    """Layers that cannot defer (TransformerEngine's) run their whole backward at I and W does nothing: I costs
+    the fused backward, W nothing and keeps nothing, and interleaved-zb at M = P (ZB1P's order with B at the
+    I's is interleaved 1F1B's) predicts exactly interleaved 1F1B's step and memory."""
+    part = Partition(GPT52, 8, 4, 16)
+    lf, lb = layer_times(A100, part, 1)
+    hf, hb = head_times(A100, part, 1)
+    assert split_backward_times(A100, part, 1, w_at_input_grad=True) == (lb, 0.0, hb, 0.0)
+    with pytest.raises(ValueError):
+        split_backward_times(A100, part, 1, w_reruns_input_grad=True, w_at_input_grad=True)
+    at_i = predict(GPT52, A100, _cfg("interleaved-zb", pp=4, vp=16, dp=16, m=4, w_at_input_grad=True))
+    fused = predict(GPT52, A100, _cfg("interleaved-1f1b", pp=4, vp=16, dp=16, m=4))
+    deferred = predict(GPT52, A100, _cfg("interleaved-zb", pp=4, vp=16, dp=16, m=4))
+    assert at_i.step_time_s == pytest.approx(fused.step_time_s, rel=1e-9)
+    assert at_i.peak_memory_gib == pytest.approx(fused.peak_memory_gib, rel=1e-9)
+    assert deferred.step_time_s < at_i.step_time_s
+    best = plan(GPT52, A100, 512, 64, SearchSpace(w_at_input_grad=True), top=1).candidates[0]
+    today = plan(GPT52, A100, 512, 64, SearchSpace(schedules=("interleaved-1f1b",), zero_stages=(1,)),
+                 top=1).candidates[0]
+    assert best.tflops_per_gpu == pytest.approx(today.tflops_per_gpu, rel=1e-6)  # nothing to gain at 1/8
+
+
 # ------------------------------------------------------------------ memory of pending W's
 
 def test_pending_w_keeps_the_weight_gemm_operands():
@@ -270,6 +292,12 @@ def test_cli_simulate_and_plan_accept_the_new_schedules():
                 "rerun-dgrad", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["config"]["w_reruns_input_grad"] is True
+    out = _bfpp("simulate", *base, "--micro-batch-size", "1", "--tensor-model-parallel-size", "8",
+                "--pipeline-model-parallel-size", "8", "--pipeline-schedule", "zb-h1", "--split-backward-w",
+                "at-i", "--json")
+    assert out.returncode == 0, out.stderr
+    config = json.loads(out.stdout)["config"]
+    assert config["w_at_input_grad"] is True and config["w_reruns_input_grad"] is False
     out = _bfpp("plan", *base, "--pipeline-schedule", "interleaved-zb", "--top", "2", "--json")
     assert out.returncode == 0, out.stderr
     cands = json.loads(out.stdout)["candidates"]

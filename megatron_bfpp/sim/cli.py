@@ -32,10 +32,12 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="overlap data-parallel communication with compute (off: Megatron-LM as of 2022)")
     p.add_argument("--p2p-overlap", choices=("on", "off"), default="on",
                    help="non-blocking pipeline p2p (off: blocking sends, Megatron-LM as of 2022)")
-    p.add_argument("--split-backward-w", choices=("wgrad-only", "rerun-dgrad"), default="wgrad-only",
+    p.add_argument("--split-backward-w", choices=("wgrad-only", "at-i", "rerun-dgrad"), default="wgrad-only",
                    help="cost of a W in split-backward schedules: wgrad-only = the weight-gradient GEMMs alone "
-                        "(Qi et al.; TransformerEngine's delayed weight gradients), rerun-dgrad = the fused linear "
-                        "nodes' whole backward again (a split on the autograd graph of one-Function layers)")
+                        "(Qi et al.; the runtime on Megatron-Core's local linears), at-i = nothing, the whole "
+                        "backward runs at I (layers that cannot defer: TransformerEngine's today), rerun-dgrad = "
+                        "the fused linear nodes' whole backward again (a split on the autograd graph of "
+                        "one-Function layers)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -123,7 +125,8 @@ def config_from_args(args: argparse.Namespace, model: GPTModel) -> Config:
     sched = args.pipeline_schedule or ("1f1b" if v == 1 else "interleaved-1f1b")
     return Config(t, p, v, d, b, m, sched, args.zero_stage, args.recompute, args.microbatch_group_size_per_vp_stage,
                   _on_off(args.dp_overlap), _on_off(args.p2p_overlap), args.weight_buffers, args.grad_buffers,
-                  w_reruns_input_grad=args.split_backward_w == "rerun-dgrad")
+                  w_reruns_input_grad=args.split_backward_w == "rerun-dgrad",
+                  w_at_input_grad=args.split_backward_w == "at-i")
 
 
 def _run(prog: str, body, argv: list[str] | None) -> int:
@@ -163,7 +166,8 @@ def _simulate(argv: list[str] | None) -> int:
     rows += [(f"  {k}", f"{v:.2f} GiB") for k, v in pred.memory_gib.items() if k != "total"]
     if cfg.split_backward:
         rows.append(("pending W's (peak)", f"{max(pred.peak_pending_weight_grads)} per rank, their operands in "
-                                           "activations" + (" (W re-runs dgrad)" if cfg.w_reruns_input_grad else "")))
+                                           "activations" + (" (W re-runs dgrad)" if cfg.w_reruns_input_grad else
+                                                            " (W's work runs at I)" if cfg.w_at_input_grad else "")))
     for k, v in rows:
         print(f"  {k:<22} {v}")
     return 0
@@ -192,6 +196,7 @@ def _plan(argv: list[str] | None) -> int:
         dp_overlap=_on_off(args.dp_overlap), p2p_overlap=_on_off(args.p2p_overlap),
         max_microbatches=args.max_microbatches,
         w_reruns_input_grad=args.split_backward_w == "rerun-dgrad",
+        w_at_input_grad=args.split_backward_w == "at-i",
     )
     res = plan(model, hw, args.gpus, args.global_batch_size, space, args.top)
     if args.json:

@@ -17,9 +17,12 @@ Split backward (schedules with I and W ops). The backward time of a stage is sha
 of the stage input) and W (the weight gradients) by FLOPs, per Qi et al. (ICLR 2024) Table 1: per layer
 I = sbh(24h + 8s), W = 24sbh^2 (`GPTModel.layer_backward_flops`); the output layer and loss half and half;
 a recomputed forward belongs to I (the input gradient cannot start without it). `Costs.input_grad_share`
-carries I / (I + W) per stage. `Config.w_reruns_input_grad` models the runtime on Megatron's fused linear
-nodes (local or TransformerEngine without delayed weight gradients): W re-runs the node's whole backward, so
-the input-gradient GEMMs are paid twice.
+carries I / (I + W) per stage. Two other costs of a W: `Config.w_at_input_grad` models layers that cannot
+defer their weight GEMMs, as the runtime runs them on Megatron-Core chunks (TransformerEngine layers, fused
+gradient accumulation, sequence parallelism): I is the whole backward and W does nothing, so the split
+schedules are their order with B at the I's. `Config.w_reruns_input_grad` models a split on the autograd graph
+of layers that are one autograd Function (what the runtime does on chunks without Megatron-Core modules): W
+re-runs the node's whole backward, so the input-gradient GEMMs are paid twice.
 
 Communication. p2p: fixed overhead + link latency + bytes / achieved bandwidth, on NVLink when both pipeline
 ranks share a node, else InfiniBand. Data-parallel collectives are hierarchical rings: a ring inside the node
@@ -135,14 +138,20 @@ def layer_input_grad_share(part: Partition) -> float:
 HEAD_INPUT_GRAD_SHARE = 0.5  # output layer: dX = dY W and dW = X^T dY are GEMMs of one size; the loss is tiny
 
 
-def split_backward_times(hw: Hardware, part: Partition, b: int, w_reruns_input_grad: bool = False
-                         ) -> tuple[float, float, float, float]:
+def split_backward_times(hw: Hardware, part: Partition, b: int, w_reruns_input_grad: bool = False,
+                         w_at_input_grad: bool = False) -> tuple[float, float, float, float]:
     """(layer I, layer W, head I, head W) seconds on one micro-batch, per GPU, without recompute.
 
     I + W equals the fused backward of `layer_times` / `head_times`, split by FLOPs; with
-    `w_reruns_input_grad` W also pays the input-gradient GEMMs a second time (the runtime's W on
-    Megatron's fused linear nodes)."""
+    `w_reruns_input_grad` W also pays the input-gradient GEMMs a second time (a split on the autograd graph
+    of one-Function layers); with `w_at_input_grad` I is the whole backward and W nothing (layers that cannot
+    defer their weight GEMMs)."""
+    if w_reruns_input_grad and w_at_input_grad:
+        raise ValueError("a W either re-runs the input-gradient GEMMs or runs at I, not both")
     _, lb, gemms = _layer_times(hw, part, b)
+    if w_at_input_grad:
+        _, hb = head_times(hw, part, b)
+        return lb, 0.0, hb, 0.0
     li = lb * layer_input_grad_share(part)
     lw = lb - li
     _, hb = head_times(hw, part, b)
@@ -282,9 +291,11 @@ class Config:
     p2p_overlap: bool = True
     weight_buffers: int = 2
     grad_buffers: int = 2
-    # Split-backward schedules only: W re-runs the input-gradient GEMMs too (Megatron's fused linear nodes
-    # without TransformerEngine's delayed weight gradients, as the runtime does today).
+    # Split-backward schedules only: W re-runs the input-gradient GEMMs too (a split on the autograd graph of
+    # one-Function layers) ...
     w_reruns_input_grad: bool = False
+    # ... or W's work runs at I (layers that cannot defer: TransformerEngine's today).
+    w_at_input_grad: bool = False
 
     @property
     def split_backward(self) -> bool:
@@ -304,7 +315,8 @@ def analytic_costs(hw: Hardware, part: Partition, cfg: Config) -> Costs:
     b, n_stages, pp = cfg.micro_batch_size, part.num_stages, cfg.pp
     lf, lb = layer_times(hw, part, b)
     hf, hb = head_times(hw, part, b)
-    li, lw, hi, hw_ = split_backward_times(hw, part, b, cfg.split_backward and cfg.w_reruns_input_grad)
+    li, lw, hi, hw_ = split_backward_times(hw, part, b, cfg.split_backward and cfg.w_reruns_input_grad,
+                                           cfg.split_backward and cfg.w_at_input_grad)
     place = Placement(hw, cfg.tp, cfg.dp, pp)
     fwd, bwd, sf, sb, ag, red, sync, rb, sbk, share = [], [], [], [], [], [], [], [], [], []
     for s in range(n_stages):

@@ -36,6 +36,7 @@ class SearchSpace:
     p2p_overlap: bool = True
     max_microbatches: int = 256  # bounds simulation cost; larger M is reached through larger micro-batches
     w_reruns_input_grad: bool = False  # split-backward cost: see `Config.w_reruns_input_grad`
+    w_at_input_grad: bool = False  # and `Config.w_at_input_grad`
 
 
 @dataclass
@@ -117,14 +118,15 @@ class _Bounds:
         self._layer = functools.lru_cache(maxsize=None)(lambda tp, b: layer_times(hw, Partition(model, tp, 1, 1), b))
         self._head = functools.lru_cache(maxsize=None)(lambda tp, b: head_times(hw, Partition(model, tp, 1, 1), b))
         self._split = functools.lru_cache(maxsize=None)(
-            lambda tp, b, rerun: split_backward_times(hw, Partition(model, tp, 1, 1), b, rerun))
+            lambda tp, b, rerun, at_i: split_backward_times(hw, Partition(model, tp, 1, 1), b, rerun, at_i))
 
     def step_lower_bound(self, cfg: Config, part: Partition) -> float:
         lf, lb = self._layer(cfg.tp, cfg.micro_batch_size)
         hf, hb = self._head(cfg.tp, cfg.micro_batch_size)
         rc = lf if cfg.recompute else 0.0
         if cfg.split_backward:
-            li, lw, hi, hw_ = self._split(cfg.tp, cfg.micro_batch_size, cfg.w_reruns_input_grad)
+            li, lw, hi, hw_ = self._split(cfg.tp, cfg.micro_batch_size, cfg.w_reruns_input_grad,
+                                          cfg.w_at_input_grad)
             lb, hb = li + lw, hi + hw_
         else:
             li, hi = lb, hb  # a fused backward is all on the critical path
@@ -183,7 +185,8 @@ def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: in
                             for rc in space.recompute:
                                 base = Config(tp, pp, vp, dp, b, m, sched, zero, rc, None,
                                               space.dp_overlap, space.p2p_overlap,
-                                              w_reruns_input_grad=space.w_reruns_input_grad)
+                                              w_reruns_input_grad=space.w_reruns_input_grad,
+                                              w_at_input_grad=space.w_at_input_grad)
                                 if m > space.max_microbatches:
                                     bad.append((base, f"M={m} micro-batches per step exceeds the search limit "
                                                       f"{space.max_microbatches}; a larger micro-batch size covers it"))
@@ -195,7 +198,8 @@ def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: in
                                     out.append(Config(tp, pp, vp, dp, b, m, sched, zero, rc,
                                                       None if gs == _default(sched, pp, m) else gs,
                                                       space.dp_overlap, space.p2p_overlap,
-                                                      w_reruns_input_grad=space.w_reruns_input_grad))
+                                                      w_reruns_input_grad=space.w_reruns_input_grad,
+                                                      w_at_input_grad=space.w_at_input_grad))
     return out, bad
 
 

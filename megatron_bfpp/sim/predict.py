@@ -128,6 +128,7 @@ def config_dict(cfg: Config) -> dict:
         "dp_overlap": cfg.dp_overlap,
         "p2p_overlap": cfg.p2p_overlap,
         "w_reruns_input_grad": cfg.w_reruns_input_grad,
+        "w_at_input_grad": cfg.w_at_input_grad,
     }
 
 
@@ -178,8 +179,8 @@ def memory(model: GPTModel, cfg: Config) -> list[dict[str, float]]:
     n_st = part.num_stages
     sizes = (part.activation_bytes(0, b, cfg.recompute) if n_st > 1 else 0.0,
              part.activation_bytes(n_st - 1, b, cfg.recompute),
-             part.pending_weight_grad_bytes(0, b) if n_st > 1 else 0.0,
-             part.pending_weight_grad_bytes(n_st - 1, b))
+             part.pending_weight_grad_bytes(0, b) if n_st > 1 and not cfg.w_at_input_grad else 0.0,
+             0.0 if cfg.w_at_input_grad else part.pending_weight_grad_bytes(n_st - 1, b))
     return [memory_breakdown(part, cfg, r, max(sum(x * y for x, y in zip(p, sizes)) for p in frontier[r]))
             for r in range(cfg.pp)]
 
