@@ -261,6 +261,27 @@ def test_install_rebinds_schedule_and_uninstall_restores(restore, monkeypatch: p
     assert training.get_forward_backward_func is original and not bm.is_installed()
 
 
+def test_split_schedule_on_transformer_engine_layers_says_w_has_no_work(restore, capsys) -> None:
+    """TransformerEngine layers cannot defer their weight GEMMs yet: installing a split-backward schedule with
+    them says so (and what ZeRO-2/3 then holds); local layers and fused schedules get no note."""
+    from types import SimpleNamespace
+
+    from megatron_bfpp.megatron.install import split_backward_note
+
+    args = _args(*VIRTUAL, "--global-batch-size", "16", "--pipeline-schedule", "interleaved-zb")
+    args.transformer_impl = "transformer_engine"
+    bm.install(args)
+    out = capsys.readouterr().out
+    assert "W's carry no work" in out and "ZeRO" not in out and "--transformer-impl local" in out
+    assert "under ZeRO-2" in split_backward_note(args, SimpleNamespace(pipeline_schedule="interleaved-zb",
+                                                                       zero_stage=2))
+    args.transformer_impl = "local"
+    assert split_backward_note(args, bm.install(args)) is None
+    args.transformer_impl = "transformer_engine"
+    args.pipeline_schedule = "breadth-first"
+    assert split_backward_note(args, bm.install(args)) is None
+
+
 def test_install_uses_the_real_runtime(restore) -> None:
     """The rebound getter returns the plugin runtime's function, with Megatron-Core's keyword signature."""
     import inspect

@@ -16,6 +16,7 @@ import warnings
 from typing import Any, Callable
 
 from . import compat
+from ..schedule.ir import SPLIT_BACKWARD_SCHEDULES
 from .validation import PluginConfig, validate_args
 
 # (module object, attribute, original value) for everything rebound, in order; restored in reverse.
@@ -39,6 +40,20 @@ def _accepted(func: Callable, **kwargs: Any) -> dict[str, Any]:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return kwargs
     return {k: v for k, v in kwargs.items() if k in params}
+
+
+def split_backward_note(args: argparse.Namespace, cfg: PluginConfig) -> str | None:
+    """What a split-backward schedule can gain with these layers, when it is nothing."""
+    if cfg.pipeline_schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return None
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        held = (f"; under ZeRO-{cfg.zero_stage} each stage's gradients wait from its first I to its first W beside "
+                "the gradient buffers" if cfg.zero_stage in (2, 3) else "")
+        return (f"note: --pipeline-schedule {cfg.pipeline_schedule} with --transformer-impl transformer_engine: "
+                "TransformerEngine layers run their whole backward at I (their delayed weight gradients are not "
+                f"wired in), so W's carry no work and the schedule runs as its fused order{held}. "
+                "--transformer-impl local defers the weight GEMMs; interleaved-1f1b or breadth-first need no split")
+    return None
 
 
 def make_forward_backward_getter(cfg: PluginConfig, factory: Callable, original: Callable) -> Callable:
@@ -198,6 +213,9 @@ def install(args: argparse.Namespace) -> PluginConfig:
         if cfg.zero_stage is not None:
             what += f", ZeRO-{cfg.zero_stage}"
         _log(f"installed {what} on megatron-core {version}; rebound {', '.join(sorted({f'{m.__name__}.{a}' for m, a, _ in plan}))}")
+        note = split_backward_note(args, cfg)
+        if note:
+            _log(note)
     else:
         _log("--pipeline-schedule default: Megatron-LM runs unchanged")
     return cfg
