@@ -242,3 +242,42 @@ def _check_deferred_split(chunk, tensor_parallel: int) -> None:
         inp, out = forward()
     with pytest.raises(RuntimeError, match="outside an I"):
         out.backward(g)
+
+
+def test_pending_w_counts_only_its_gemm_operands():
+    """The runtime's activation accounting: after an I on a deferring chunk the stage's saved bytes are freed
+    and only the deferred GEMMs' operands count until the W (less than the F saved); it returns to 0."""
+    import torch
+
+    from megatron_bfpp import parallel
+    from megatron_bfpp.data import gpt_forward_step
+    from megatron_bfpp.model import build_model_chunks
+    from megatron_bfpp.runtime import get_forward_backward_func
+    from megatron_bfpp.runtime.executor import ScheduleExecutor
+    from megatron_bfpp.runtime.forward_backward import last_run_stats
+    from tests.test_gpt_pipeline import SEQ, _batches
+
+    seen: list[tuple[int, int, int]] = []  # (bytes the F saved, bytes kept after the I, accounted total change)
+    do_i = ScheduleExecutor._do_I
+
+    def watched_i(self, a):
+        before_total, before_pair = self.activation_bytes, self.saved_bytes[(a.stage, a.microbatch)]
+        do_i(self, a)
+        kept = self.saved_bytes[(a.stage, a.microbatch)]
+        seen.append((before_pair, kept, self.activation_bytes - before_total))
+
+    parallel.init_single_process()
+    ScheduleExecutor._do_I = watched_i
+    try:
+        chunks = build_model_chunks(_split_config(1), vocab_size=64, max_sequence_length=SEQ, pp_rank=0, pp_size=1,
+                                    vp_size=2, seed=3)
+        fb = get_forward_backward_func("interleaved-zb")
+        fb(forward_step_func=gpt_forward_step, data_iterator=[iter(_batches(3, 0)) for _ in chunks], model=chunks,
+           num_microbatches=3, seq_length=SEQ, micro_batch_size=2)
+        assert len(seen) == 6
+        for saved, kept, change in seen:
+            assert 0 < kept < saved and change == kept - saved
+        assert last_run_stats()["peak_activation_bytes"] > 0
+    finally:
+        ScheduleExecutor._do_I = do_i
+        parallel.destroy_parallel()

@@ -26,7 +26,7 @@ from .hooks import DataParallelDriver
 from .p2p import PendingTransfer, PipelineP2P
 from .recorder import ActionRecorder
 from .split_backward import (PendingWeightGrad, backward_input, backward_weight, deferring_weight_grads,
-                             report_deferral, splits_by_deferral)
+                             kept_bytes, report_deferral, splits_by_deferral)
 
 
 # Megatron-Core before 0.17 (e.g. the one in Megatron-LM core_v0.16.1) takes the model type before the config.
@@ -342,13 +342,18 @@ class ScheduleExecutor:
                 input_grad = backward_step(input_tensor, output, output_grad, *_BACKWARD_STEP_MODEL_TYPE,
                                            self.config)
             pending = PendingWeightGrad([], deferred=deferred)
-            report_deferral(self.model[chunk], len(deferred), f"{self.schedule.name}, model chunk {chunk}",
-                            show=self.global_rank == 0)
         else:
             weights = [p for p in self.model[chunk].parameters() if p.requires_grad]
             input_grad, pending = backward_input(input_tensor, output, output_grad, weights, self.config)
         if self.recorder:
             self.recorder.stop(t, a)
+        if pending.deferred is not None:
+            # The I freed the stage's graph; what stays until the W is its deferred GEMMs' operands.
+            self.activation_bytes -= self.saved_bytes.pop((s, m), 0)
+            self.saved_bytes[(s, m)] = kept_bytes(pending.deferred)
+            self.activation_bytes += self.saved_bytes[(s, m)]
+            report_deferral(self.model[chunk], len(pending.deferred), f"{self.schedule.name}, model chunk {chunk}",
+                            show=self.global_rank == 0)
         self.pending_weight_grads[(s, m)] = pending
         if s > 0:
             self.input_grads[(s, m)] = input_grad

@@ -197,6 +197,19 @@ class PendingWeightGrad:
     deferred: list[DeferredWeightGrad] | None = None
 
 
+def kept_bytes(deferred: list[DeferredWeightGrad]) -> int:
+    """Bytes a pending W keeps alive: the storages of its GEMMs' inputs and output gradients, each once."""
+    seen: set[int] = set()
+    total = 0
+    for item in deferred:
+        for t in (item.input, item.output_grad):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
 def _scaled(output: torch.Tensor, output_grad: torch.Tensor | None, config: Any) -> torch.Tensor:
     """The last stage's loss scaled as Megatron's backward_step does (no incoming gradient there)."""
     if output_grad is None and config.grad_scale_func is not None:
