@@ -30,8 +30,9 @@ the driver exits 1 naming the variant and the log. The first-iteration losses of
 
 Outputs in --out: <variant>.rep<k>.log, ab_runs.json (what ran), ab_iterations.csv, ab_memory.csv (peak
 memory per rank), ab_summary.csv (per variant: status, medians over the repetitions' medians with min/max
-spread of tokens/s, elapsed ms and TFLOP/s per GPU, peak memory, measured bubble, first-iteration loss, ratios
-to the best stock) and ab_megatron.png (the same side by side).
+spread of tokens/s, elapsed ms and TFLOP/s per GPU, peak memory, measured bubble, first-iteration loss,
+deferred_linears: for split-backward variants how many of rank 0's linear layers deferred their weight GEMMs to
+W (0: W has no work, e.g. TransformerEngine layers), ratios to the best stock) and ab_megatron.png.
 
     python scripts/ab_megatron.py --megatron-lm-dir ~/Megatron-LM --model 1.3b --gpus-per-node 8 --dry-run
     python scripts/ab_megatron.py --megatron-lm-dir ~/Megatron-LM --model 1.3b --gpus-per-node 8 --reps 3 --out ab-1.3b
@@ -79,6 +80,8 @@ FIELD_RE = {
     "global_batch_size": re.compile(r"global batch size:\s*(\d+)"),
     "lm_loss": re.compile(r"lm loss: ([0-9.eE+-]+)"),
 }
+# The plugin's line, once per model chunk on rank 0, for split-backward schedules.
+DEFERRAL_RE = re.compile(r"model chunk \d+: (\d+) linear layers defer their weight GEMMs to W")
 MEMORY_RE = re.compile(
     r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| allocated: ([0-9.]+) \| max allocated: ([0-9.]+)"
     r"(?: \| reserved: ([0-9.]+) \| max reserved: ([0-9.]+))?"
@@ -98,6 +101,7 @@ class RunLog:
     variant: str
     iterations: list[dict] = field(default_factory=list)
     memory: list[dict] = field(default_factory=list)
+    deferred_linears: int | None = None  # split backward: rank 0's linear layers whose W has work (None: no split)
 
 
 @dataclass
@@ -127,6 +131,10 @@ def parse_log(text: str, variant: str, seq_length: int) -> RunLog:
             else:
                 rec["tokens_per_s"] = None
             run.iterations.append(rec)
+            continue
+        m = DEFERRAL_RE.search(line)
+        if m:
+            run.deferred_linears = (run.deferred_linears or 0) + int(m.group(1))
             continue
         m = MEMORY_RE.search(line)
         if m:
@@ -220,6 +228,7 @@ def summarize(variants: list[str], records: list[RunRecord], logs: dict[tuple[st
         row["first_iteration"] = first["iteration"]
         row["first_lm_loss"] = first["lm_loss"]
         row["last_lm_loss"] = logs[(v, recs[0].rep)].iterations[-1]["lm_loss"]  # type: ignore[union-attr]
+        row["deferred_linears"] = logs[(v, recs[0].rep)].deferred_linears  # type: ignore[union-attr]
         rows.append(row)
 
     ok = [r for r in rows if r["status"] == "ok"]

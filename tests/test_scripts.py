@@ -557,6 +557,18 @@ def test_ab_first_iteration_loss_must_agree(tmp_path: Path) -> None:
     assert r.returncode == 0 and rows["plugin-bf-zero3"]["loss_check"] == "ok"
 
 
+def test_ab_log_records_how_many_linear_layers_deferred() -> None:
+    """A split-backward variant's log says per chunk how many linear layers deferred their weight GEMMs; the
+    summary's deferred_linears sums them (0: W has no work), None for a fused schedule."""
+    lines = ["megatron_bfpp: interleaved-zb, model chunk 0: 4 linear layers defer their weight GEMMs to W",
+             "megatron_bfpp: interleaved-zb, model chunk 1: 5 linear layers defer their weight GEMMs to W"]
+    assert ab_megatron.parse_log("\n".join(lines), "zb", 128).deferred_linears == 9
+    none = ("megatron_bfpp: interleaved-zb, model chunk 0: 0 linear layers defer their weight GEMMs to W; layers "
+            "with TransformerEngine, gradient-accumulation fusion or sequence parallelism run their whole backward at I")
+    assert ab_megatron.parse_log(none, "zb", 128).deferred_linears == 0
+    assert ab_megatron.parse_log("iteration 1/ 2 |", "bf", 128).deferred_linears is None
+
+
 def test_ab_parse_only_needs_the_run_record(tmp_path: Path) -> None:
     assert ab_megatron.main(["--parse-only", "--out", str(tmp_path)]) == 2
 
