@@ -114,6 +114,7 @@ def test_w_at_input_grad_makes_a_split_schedule_its_fused_order():
     today = plan(GPT52, A100, 512, 64, SearchSpace(schedules=("interleaved-1f1b",), zero_stages=(1,)),
                  top=1).candidates[0]
     assert best.tflops_per_gpu == pytest.approx(today.tflops_per_gpu, rel=1e-6)  # nothing to gain at 1/8
+    assert not best.config.split_backward  # and a tie goes to the fused schedule
 
 
 # ------------------------------------------------------------------ memory of pending W's

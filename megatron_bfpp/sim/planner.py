@@ -252,7 +252,8 @@ def plan(model: GPTModel, hw: Hardware, gpus: int, global_batch: int, space: Sea
         p = predict(model, hw, cfg)
         simulated += 1
         fitting.append(p)
-        fitting.sort(key=lambda x: -x.tflops_per_gpu)
+        # Ties go to the fused schedule: a split one that predicts no more has only extra actions to offer.
+        fitting.sort(key=lambda x: (-round(x.tflops_per_gpu, 6), x.config.split_backward))
     best = fitting[0].tflops_per_gpu if fitting else 0.0
     rejected.sort(key=lambda r: -r.tflops_upper_bound)
     seen: set[str] = set()  # one entry per distinct reason (e.g. "M >= P" is the same for every ZeRO stage)
