@@ -8,7 +8,6 @@ Megatron-Core's own `forward_step` / `backward_step` (same loss scaling, same ou
 from __future__ import annotations
 
 import contextlib
-
 import datetime
 import inspect
 from typing import Any, Callable, Sequence

@@ -55,11 +55,6 @@ class DeferredWeightGrad:
 _deferred: list[DeferredWeightGrad] | None = None
 
 
-def deferring() -> bool:
-    """Whether a `deferring_weight_grads()` context is open (an I's backward, or a forward building for one)."""
-    return _deferred is not None
-
-
 @contextlib.contextmanager
 def deferring_weight_grads() -> Iterator[list[DeferredWeightGrad]]:
     """Forwards run inside create deferring linear nodes (the forward of an (stage, micro-batch) whose backward
@@ -161,11 +156,13 @@ def splits_by_deferral(chunk: torch.nn.Module) -> bool:
     rather than on the autograd graph (any other module). A second traversal of the graph would run again the
     backward of layers that are one autograd Function, and those that accumulate into `main_grad` themselves
     (TransformerEngine's, Megatron's with gradient-accumulation fusion) would add their weight gradient twice;
-    deferral runs them whole at I, once."""
-    from megatron.core.transformer.module import MegatronModule
+    deferral runs them whole at I, once. Decided once per chunk (the runtime asks every step)."""
+    if not hasattr(chunk, "_bfpp_splits_by_deferral"):
+        from megatron.core.transformer.module import MegatronModule
 
-    split_friendly_linears(chunk)
-    return any(isinstance(m, MegatronModule) for m in chunk.modules())
+        split_friendly_linears(chunk)
+        chunk._bfpp_splits_by_deferral = any(isinstance(m, MegatronModule) for m in chunk.modules())
+    return chunk._bfpp_splits_by_deferral
 
 
 def report_deferral(chunk: torch.nn.Module, deferred: int, label: str, show: bool) -> str | None:

@@ -21,7 +21,7 @@ import dataclasses
 from .ir import COMPUTE_OPS, INPUT_GRAD_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError, weight_ops
 
 # Ops that write a stage's weight gradients: they need its gradient buffer, and its REDUCE follows the last.
-# (The small gradients an I computes besides the deferred weight GEMMs wait in .grad until its W.)
+# (The small gradients an I computes besides the deferred weight GEMMs wait beside their parameter until its W.)
 GRAD_WRITE_OPS = frozenset({Op.B, Op.W})
 
 
