@@ -21,7 +21,7 @@ from .executor import PipelineError, ScheduleExecutor
 from .hooks import DataParallelDriver, MegatronConfigDriver
 from .p2p import PipelineP2P
 from .recorder import ActionRecorder
-from .split_backward import splits_by_deferral
+from .split_backward import gradient_fusion_conflict, splits_by_deferral
 
 _state: dict[str, Any] = {"recorder": None, "wait_timeout_s": None, "last_schedule": None, "p2p": {},
                           "last_run": {}, "agreed": set()}
@@ -173,6 +173,9 @@ def get_forward_backward_func(
         if pipeline_schedule not in GROUPED_SCHEDULES:
             group = None
         driver, zero = _make_driver(chunks, config)
+        if (pipeline_schedule in SPLIT_BACKWARD_SCHEDULES and not forward_only and zero in (2, 3)
+                and getattr(config, "gradient_accumulation_fusion", False)):
+            raise ValueError(gradient_fusion_conflict(pipeline_schedule, zero))
         if forward_only:
             zero_for_schedule = 3 if zero == 3 else None  # ZeRO-3 still gathers; nothing to reduce
         else:
