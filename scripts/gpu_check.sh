@@ -10,7 +10,9 @@
 #  2. Megatron-LM pretrain_gpt.py (a patched copy of MEGATRON_LM_DIR), P=1, --pipeline-schedule 1f1b
 #     --zero-stage 3 (the plugin's runtime and sharded optimizer on CUDA; Megatron-LM's own argument checks refuse
 #     virtual stages at P=1, so breadth-first needs P >= 2, i.e. two GPUs), against --pipeline-schedule default
-#     (Megatron's own schedule and DDP, same model, same initial values).
+#     (Megatron's own schedule and DDP, same model, same initial values). The same with --pipeline-schedule
+#     zb-h1 --zero-stage 1 (split backward in Megatron-LM: with TransformerEngine >= 2.3 its layers are built with
+#     delay_wgrad_compute and their weight GEMMs run at W, fused into main_grad as Megatron-LM's default does).
 #  3. Per-op forward/backward times of one 52B-shaped layer (h=8192, 64 heads, s=2048, T=1) against the
 #     simulator's h200 profile.
 #  4. Summary: losses against the reference (bf16 tolerance: relative 5e-3 at iteration 1, 2e-2 at every
@@ -136,12 +138,16 @@ preflight() {
   fi
 }
 
-step "2. Megatron-LM pretrain_gpt.py: the plugin's 1f1b with ZeRO-3 against --pipeline-schedule default (P=1)"
+step "2. Megatron-LM pretrain_gpt.py: the plugin's 1f1b with ZeRO-3 and zb-h1 against --pipeline-schedule default (P=1)"
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 MLM_BF=("${COMMON[@]}" --pipeline-schedule 1f1b --zero-stage 3 "${MLM_FLAGS[@]}")
+MLM_ZB=("${COMMON[@]}" --pipeline-schedule zb-h1 --zero-stage 1 "${MLM_FLAGS[@]}")
 MLM_REF=("${COMMON[@]}" --pipeline-schedule default "${MLM_FLAGS[@]}")
 if preflight megatron_bf "${MLM_BF[@]}"; then
   run megatron_bf "$RUN_TIMEOUT" torchrun --standalone --nproc-per-node 1 "$MLM/pretrain_gpt.py" "${MLM_BF[@]}"
+fi
+if preflight megatron_zb "${MLM_ZB[@]}"; then
+  run megatron_zb "$RUN_TIMEOUT" torchrun --standalone --nproc-per-node 1 "$MLM/pretrain_gpt.py" "${MLM_ZB[@]}"
 fi
 if preflight megatron_ref "${MLM_REF[@]}"; then
   run megatron_ref "$RUN_TIMEOUT" torchrun --standalone --nproc-per-node 1 "$MLM/pretrain_gpt.py" "${MLM_REF[@]}"
@@ -153,7 +159,7 @@ run layer "$LAYER_TIMEOUT" "$PYTHON" "$ROOT/scripts/gpu_check.py" layer --model 
 
 step "4. summary"
 summary=("$PYTHON" "$ROOT/scripts/gpu_check.py" summary --out "$OUT" --hardware h200
-  --pair bfpp_bf=bfpp_ref --pair bfpp_zb=bfpp_ref --pair megatron_bf=megatron_ref)
+  --pair bfpp_bf=bfpp_ref --pair bfpp_zb=bfpp_ref --pair megatron_bf=megatron_ref --pair megatron_zb=megatron_ref)
 echo "+ $(printf '%q ' "${summary[@]}")"
 if [ "$DRY_RUN" = 1 ]; then
   echo "dry run: nothing was run"

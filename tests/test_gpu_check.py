@@ -54,7 +54,7 @@ def test_dry_run_prints_every_command_and_runs_nothing(dry_run) -> None:
     torchrun = [c for c in cmds if c[0] == "torchrun"]
     checks = [c for c in cmds if "megatron_bfpp.megatron.check" in c]
     helper = [c for c in cmds if any(x.endswith("gpu_check.py") for x in c)]
-    assert len(bfpp) == 3 and len(torchrun) == 2 and len(checks) == 2
+    assert len(bfpp) == 3 and len(torchrun) == 3 and len(checks) == 3
     assert [c[c.index(next(x for x in c if x.endswith("gpu_check.py"))) + 1] for c in helper] == ["layer", "summary"]
     for c in bfpp + torchrun:
         assert c[c.index("--pipeline-model-parallel-size") + 1] == "1" and "--bf16" in c
@@ -71,6 +71,11 @@ def test_dry_run_prints_every_command_and_runs_nothing(dry_run) -> None:
     plugin = [c for c in torchrun if c[c.index("--pipeline-schedule") + 1] == "1f1b"]
     assert len(plugin) == 1 and plugin[0][plugin[0].index("--zero-stage") + 1] == "3"
     assert any(c[c.index("--pipeline-schedule") + 1] == "default" for c in torchrun)
+    # The split backward in Megatron-LM (TransformerEngine's delayed weight gradients where installed), ZeRO-1:
+    # Megatron-LM's default gradient-accumulation fusion binds main_grad at I, which ZeRO-2/3 refuse.
+    split = [c for c in torchrun if c[c.index("--pipeline-schedule") + 1] == "zb-h1"]
+    assert len(split) == 1 and split[0][split[0].index("--zero-stage") + 1] == "1"
+    assert "megatron_zb=megatron_ref" in stdout
     assert "--transformer-impl" in torchrun[0]
     assert "apply_megatron_patches.sh" in stdout and "dry run: nothing was run" in stdout
 
@@ -86,14 +91,15 @@ def test_trainer_accepts_its_commands(dry_run) -> None:
 
 @pytest.mark.skipif(not Path(MEGATRON_LM_DIR, "pretrain_gpt.py").exists(), reason="no Megatron-LM checkout")
 def test_megatron_reference_command_passes_the_argument_check(dry_run) -> None:
-    """The reference run's flags pass Megatron-LM's validation and the plugin's checks (the same preflight the
-    script runs before launching)."""
-    ref = next(c for c in _commands(dry_run[0]) if c[0] == "torchrun" and "default" in c)
-    flags = ref[ref.index(next(x for x in ref if x.endswith("pretrain_gpt.py"))) + 1:]
-    r = subprocess.run([sys.executable, "-m", "megatron_bfpp.megatron.check", "--world-size", "1", "--", *flags],
-                       capture_output=True, text=True, cwd=MEGATRON_LM_DIR, timeout=120,
-                       env={**os.environ, "PYTHONPATH": MEGATRON_LM_DIR})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    """The reference run's and the split-backward run's flags pass Megatron-LM's validation and the plugin's
+    checks (the same preflight the script runs before launching)."""
+    for schedule in ("default", "zb-h1"):
+        ref = next(c for c in _commands(dry_run[0]) if c[0] == "torchrun" and schedule in c)
+        flags = ref[ref.index(next(x for x in ref if x.endswith("pretrain_gpt.py"))) + 1:]
+        r = subprocess.run([sys.executable, "-m", "megatron_bfpp.megatron.check", "--world-size", "1", "--", *flags],
+                           capture_output=True, text=True, cwd=MEGATRON_LM_DIR, timeout=120,
+                           env={**os.environ, "PYTHONPATH": MEGATRON_LM_DIR})
+        assert r.returncode == 0, schedule + ": " + r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_simulated_ops_add_up_to_the_simulators_layer() -> None:

@@ -10,6 +10,7 @@ Megatron's argument validation runs on CPU: WORLD_SIZE/RANK come from the enviro
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import shutil
@@ -261,9 +262,10 @@ def test_install_rebinds_schedule_and_uninstall_restores(restore, monkeypatch: p
     assert training.get_forward_backward_func is original and not bm.is_installed()
 
 
-def test_split_schedule_on_transformer_engine_layers_says_w_has_no_work(restore, capsys) -> None:
-    """TransformerEngine layers cannot defer their weight GEMMs yet: installing a split-backward schedule with
-    them says so (and what ZeRO-2/3 then holds); local layers and fused schedules get no note."""
+def test_split_schedule_on_transformer_engine_layers_without_delay_says_w_has_no_work(restore, capsys) -> None:
+    """Without a TransformerEngine that can delay weight gradients (none here) its layers run their whole
+    backward at I: installing a split-backward schedule with them says so, why, and what ZeRO-2/3 then hold;
+    local layers and fused schedules get no note."""
     from types import SimpleNamespace
 
     from megatron_bfpp.megatron.install import split_backward_note
@@ -272,7 +274,8 @@ def test_split_schedule_on_transformer_engine_layers_says_w_has_no_work(restore,
     args.transformer_impl = "transformer_engine"
     bm.install(args)
     out = capsys.readouterr().out
-    assert "W's carry no work" in out and "ZeRO" not in out and "--transformer-impl local" in out
+    assert "W's carry no work" in out and "TransformerEngine >= 2.3.0" in out and "found none" in out, out
+    assert "ZeRO" not in out and "--transformer-impl local" in out and not args.delay_wgrad_compute
     assert "under ZeRO-2" in split_backward_note(args, SimpleNamespace(pipeline_schedule="interleaved-zb",
                                                                        zero_stage=2))
     args.transformer_impl = "local"
@@ -280,6 +283,57 @@ def test_split_schedule_on_transformer_engine_layers_says_w_has_no_work(restore,
     args.transformer_impl = "transformer_engine"
     args.pipeline_schedule = "breadth-first"
     assert split_backward_note(args, bm.install(args)) is None
+
+
+@pytest.mark.parametrize("version, flags, blocked", [
+    ("2.3.0", {}, None), ("2.2.9", {}, ">= 2.3.0"), ("2.6.0", {"gradient_accumulation_fusion": False}, ">= 2.7.0"),
+    ("2.7.1", {"overlap_grad_reduce": True}, ">= 2.8.0"), ("2.10.0", {"tp_comm_overlap": True}, "--tp-comm-overlap"),
+    ("2.10.0", {"overlap_grad_reduce": True, "gradient_accumulation_fusion": False}, None),
+])
+def test_transformer_engine_delayed_wgrad_requirements(monkeypatch, version, flags, blocked) -> None:
+    """Megatron-LM's own TransformerEngine requirements for delay_wgrad_compute."""
+    install = importlib.import_module("megatron_bfpp.megatron.install")
+
+    monkeypatch.setattr(install, "_te_version", lambda: version)
+    args = _args(*VIRTUAL, "--global-batch-size", "16", "--pipeline-schedule", "interleaved-zb")
+    vars(args).update(transformer_impl="transformer_engine", **flags)
+    reason = install.te_delayed_wgrad_blocker(args)
+    assert (reason is None) if blocked is None else (blocked in reason), reason
+
+
+def test_split_schedule_builds_transformer_engine_layers_with_delayed_wgrads(restore, monkeypatch, capsys) -> None:
+    """With a TransformerEngine that can delay them, the install sets delay_wgrad_compute for the model and DDP
+    configs Megatron-LM builds from args (Megatron's dense-model check on the flag is lifted while installed);
+    uninstall puts both back. Fused schedules and local layers leave them alone."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training.training import get_megatron_ddp_config
+
+    install = importlib.import_module("megatron_bfpp.megatron.install")
+
+    monkeypatch.setattr(install, "_te_version", lambda: "2.8.0")
+
+    def dense_config() -> TransformerConfig:
+        return TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=1, delay_wgrad_compute=True)
+
+    with pytest.raises(AssertionError, match="overlap_moe_expert_parallel_comm"):
+        dense_config()
+    args = _args(*VIRTUAL, "--global-batch-size", "16", "--pipeline-schedule", "interleaved-zb")
+    args.transformer_impl = "transformer_engine"
+    bm.install(args)
+    assert "built with delay_wgrad_compute" in capsys.readouterr().out
+    assert args.delay_wgrad_compute and get_megatron_ddp_config(args).delay_wgrad_compute
+    assert dense_config().delay_wgrad_compute
+    bm.install(args)  # installing again wraps Megatron's check once, not the previous wrapper
+    assert TransformerConfig.__post_init__._bfpp_original.__qualname__ == "TransformerConfig.__post_init__"
+    bm.uninstall()
+    assert not args.delay_wgrad_compute
+    with pytest.raises(AssertionError, match="overlap_moe_expert_parallel_comm"):
+        dense_config()
+    for impl, schedule in (("local", "interleaved-zb"), ("transformer_engine", "breadth-first")):
+        vars(args).update(transformer_impl=impl, pipeline_schedule=schedule)
+        bm.install(args)
+        assert not args.delay_wgrad_compute and not hasattr(TransformerConfig.__post_init__, "_bfpp_original")
+        bm.uninstall()
 
 
 def test_install_uses_the_real_runtime(restore) -> None:

@@ -133,11 +133,15 @@ def test_split_backward_runs_self_accumulating_layers_once():
                 torch.testing.assert_close(b, ref_grads[s][1], rtol=1e-5, atol=1e-6, msg=f"{name} stage {s}")
 
 
-FUSED_ACCUMULATION = [("interleaved-zb", 1), ("breadth-first-zb", 1), ("interleaved-zb", 2), ("breadth-first-zb", 3)]
+FUSED_ACCUMULATION = [("interleaved-zb", 1, "self-accumulating"), ("breadth-first-zb", 1, "self-accumulating"),
+                      ("interleaved-zb", 2, "self-accumulating"), ("breadth-first-zb", 3, "self-accumulating")]
+DELAYED_WGRAD = [("interleaved-zb", 1, "delayed"), ("interleaved-zb", 2, "delayed"), ("breadth-first-zb", 3, "delayed"),
+                 ("zb-h1", 2, "delayed"), ("interleaved-zb", 1, "delayed-fused"), ("breadth-first", 2, "delayed"),
+                 ("breadth-first", 1, "delayed-fused")]
 
 
-def _fused_accumulation_worker(rank: int, world: int) -> list:
-    """Self-accumulating stages (gradient_accumulation_fusion set) in the sharded wrapper at D = 1."""
+def _sharded_toy_worker(rank: int, world: int, cases) -> list:
+    """Toy stages of a kind (see tests/toy_pipeline.py) in the sharded wrapper at D = 1, P = world."""
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -148,14 +152,20 @@ def _fused_accumulation_worker(rank: int, world: int) -> list:
     set_wait_timeout(60)
     dp_groups = [dist.new_group([r]) for r in range(world)]
     pg = SimpleNamespace(pp=dist.new_group(list(range(world))), dp=dp_groups[rank])
-    pp, vp, m = world, 2, 4
+    pp, m = world, 4
     results = []
-    for name, zero in FUSED_ACCUMULATION:
+    for name, zero, kind in cases:
+        vp = 1 if name == "zb-h1" else 2
         cfg = toy.make_transformer_config()
-        cfg.gradient_accumulation_fusion = True
+        cfg.gradient_accumulation_fusion = kind in ("self-accumulating", "delayed-fused")
         stages = [rank + c * pp for c in range(vp)]
-        chunks = [ShardedDataParallel(cfg, DistributedDataParallelConfig(), toy.SelfAccumulatingToyStage(cfg, s, pp * vp),
-                                      pg_collection=pg, zero_stage=zero, shard_align=1, param_align=1) for s in stages]
+        if kind == "self-accumulating":
+            modules = [toy.SelfAccumulatingToyStage(cfg, s, pp * vp) for s in stages]
+        else:
+            modules = [toy.DelayedWgradToyStage(cfg, s, pp * vp, fuse_wgrad_accumulation=kind == "delayed-fused")
+                       for s in stages]
+        chunks = [ShardedDataParallel(cfg, DistributedDataParallelConfig(), mod, pg_collection=pg, zero_stage=zero,
+                                      shard_align=1, param_align=1) for mod in modules]
         for ch in chunks:
             ch.zero_grad_buffer()
         try:
@@ -167,12 +177,33 @@ def _fused_accumulation_worker(rank: int, world: int) -> list:
             results.append(str(e))
             continue
         grads = {}
-        for s, ch in zip(stages, chunks):
+        for s, ch, mod in zip(stages, chunks, modules):
             b = ch.flat_buffers[0]  # D = 1: the shard is the whole gradient
             grads[s] = {sl.name: b.gbuf.main_grad_shard[sl.start : sl.end].view(sl.shape).clone()
                         for sl in b.pbuf.layout.slots}
+            if kind != "self-accumulating":
+                grads[s]["backward_dw_calls"] = mod.linear.backward_dw_calls
+                grads[s]["left_queued"] = len(mod.linear.wgrad_queue)
         results.append(grads)
     return results
+
+
+def _check_sharded_toy(cases, per_rank, pp: int) -> None:
+    for r in range(pp):
+        for (name, zero, kind), got in zip(cases, per_rank[r]):
+            vp = 1 if name == "zb-h1" else 2
+            _, ref_grads = toy.reference(pp * vp, toy.make_batches(4))
+            what = f"{name} ZeRO-{zero} {kind}"
+            if kind == "self-accumulating" and zero >= 2:
+                assert isinstance(got, str) and "--no-gradient-accumulation-fusion" in got and f"--zero-stage {zero}" in got, got
+                continue
+            for s, grads in got.items():
+                torch.testing.assert_close(grads["linear.weight"], ref_grads[s][0], rtol=1e-5, atol=1e-6,
+                                           msg=f"{what} stage {s}")
+                torch.testing.assert_close(grads["linear.bias"], ref_grads[s][1], rtol=1e-5, atol=1e-6,
+                                           msg=f"{what} stage {s}")
+                if kind != "self-accumulating":  # one backward_dw per micro-batch (at its W, or after its B)
+                    assert (grads["backward_dw_calls"], grads["left_queued"]) == (4, 0), (what, s, grads)
 
 
 @pytest.mark.timeout(300)
@@ -180,18 +211,15 @@ def test_split_backward_with_fused_gradient_accumulation():
     """Layers that write main_grad in the I's backward (gradient-accumulation fusion) need the stage's gradient
     buffer there: ZeRO-1's is resident all step (exact), ZeRO-2/3's comes with the first W, so they refuse the
     combination with one error naming the flags (the I would write into a freed buffer)."""
-    per_rank = run_distributed(_fused_accumulation_worker, 2)
-    _, ref_grads = toy.reference(4, toy.make_batches(4))
-    for r in range(2):
-        for (name, zero), got in zip(FUSED_ACCUMULATION, per_rank[r]):
-            if zero >= 2:
-                assert isinstance(got, str) and "--no-gradient-accumulation-fusion" in got and f"--zero-stage {zero}" in got, got
-                continue
-            for s, grads in got.items():
-                torch.testing.assert_close(grads["linear.weight"], ref_grads[s][0], rtol=1e-5, atol=1e-6,
-                                           msg=f"{name} ZeRO-{zero} stage {s}")
-                torch.testing.assert_close(grads["linear.bias"], ref_grads[s][1], rtol=1e-5, atol=1e-6,
-                                           msg=f"{name} ZeRO-{zero} stage {s}")
+    _check_sharded_toy(FUSED_ACCUMULATION, run_distributed(_sharded_toy_worker, 2, FUSED_ACCUMULATION), 2)
+
+
+@pytest.mark.timeout(300)
+def test_transformer_engine_delayed_wgrads_run_at_w():
+    """Layers that queue their weight-gradient GEMMs as TransformerEngine's do with delay_wgrad_compute: W runs
+    each I's (backward_dw), B runs its own right after its backward, the layer's hooks hand the gradients to the
+    sharded wrapper (ZeRO-1/2/3; fused into main_grad under ZeRO-1), and the gradients equal the reference."""
+    _check_sharded_toy(DELAYED_WGRAD, run_distributed(_sharded_toy_worker, 2, DELAYED_WGRAD), 2)
 
 
 def _unsafe_order_worker(rank: int, world: int) -> str:

@@ -88,6 +88,100 @@ class SelfAccumulatingToyStage(MegatronModule):
         return torch.tanh(_SelfAccumulatingLinear.apply(inp, self.linear.weight, self.linear.bias))
 
 
+class _DelayedWgradLinearFunction(torch.autograd.Function):
+    """TransformerEngine's linear backward with delay_wgrad_compute, reduced to its protocol: the input gradient
+    now; the weight-gradient GEMM queued (with main_grad bound now when fused, as TransformerEngine binds it) for
+    the module's backward_dw(); no gradient for the weight or bias from autograd (a dummy weight gradient with
+    grad_added_to_main_grad when fused)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module):
+        ctx.save_for_backward(x, weight)
+        ctx.module = module
+        return x @ weight.t() + bias
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        m = ctx.module
+        main_grad = m.weight.main_grad if m.fuse_wgrad_accumulation else None
+
+        @torch.no_grad()  # TransformerEngine's GEMM is not recorded by autograd
+        def wgrad_gemm(x2, g2):
+            dw = g2.t() @ x2
+            if main_grad is not None:
+                main_grad.add_(dw)
+            return dw, g2.sum(0)
+
+        x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+        dgrad = g @ weight
+        if m.delay_wgrad_compute:
+            m.wgrad_queue.append(((x2, g2), wgrad_gemm))
+            dw = db = None
+        else:
+            dw, db = wgrad_gemm(x2, g2)
+        if m.fuse_wgrad_accumulation:
+            m.weight.grad_added_to_main_grad = True
+            dw = torch.zeros_like(weight)
+        return dgrad, dw, db, None
+
+
+class DelayedWgradLinear(torch.nn.Module):
+    """A linear with TransformerEngine's delayed weight-gradient surface (need_backward_dw, backward_dw,
+    register_wgrad_accumulation_and_reduce_hooks, parameters marked skip_backward_post_hook)."""
+
+    def __init__(self, linear: torch.nn.Linear, delay_wgrad_compute: bool = True, fuse_wgrad_accumulation: bool = False):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.delay_wgrad_compute, self.fuse_wgrad_accumulation = delay_wgrad_compute, fuse_wgrad_accumulation
+        self.wgrad_queue: list = []
+        self.hooks: list = []
+        self.backward_dw_calls = 0
+        if delay_wgrad_compute:
+            for p in (self.weight, self.bias):
+                p.skip_backward_post_hook = True
+
+    def forward(self, x):
+        return _DelayedWgradLinearFunction.apply(x, self.weight, self.bias, self)
+
+    def need_backward_dw(self) -> bool:
+        return self.delay_wgrad_compute
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
+        self.hooks.append(hook)
+
+    def backward_dw(self) -> None:
+        if not self.need_backward_dw():
+            return
+        self.backward_dw_calls += 1
+        tensors, gemm = self.wgrad_queue.pop(0)  # TransformerEngine raises on an empty queue too
+        dw, db = gemm(*tensors)
+        if not self.fuse_wgrad_accumulation:
+            self.weight.grad = dw
+        if self.bias.grad is None:
+            self.bias.grad = db
+        for hook in self.hooks:
+            hook()
+
+
+class DelayedWgradToyStage(MegatronModule):
+    """ToyStage as a Megatron-Core module whose linear delays its weight gradients as TransformerEngine's does."""
+
+    def __init__(self, config, stage: int, num_stages: int, seed: int = 0, fuse_wgrad_accumulation: bool = False):
+        super().__init__(config)
+        toy = ToyStage(config, stage, num_stages, seed)
+        self.stage, self.num_stages = stage, num_stages
+        self.pre_process, self.post_process = toy.pre_process, toy.post_process
+        self.linear = DelayedWgradLinear(toy.linear, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        self.input_tensor = None
+
+    set_input_tensor = ToyStage.set_input_tensor
+
+    def forward(self, x):
+        inp = x if self.pre_process else self.input_tensor
+        return torch.tanh(self.linear(inp))
+
+
 def make_batches(num: int, seed: int = 1) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     return [{"x": torch.randn(SEQ, MBS, HIDDEN, generator=g), "y": torch.randn(SEQ, MBS, HIDDEN, generator=g)}

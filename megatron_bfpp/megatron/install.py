@@ -3,6 +3,11 @@ data-parallel wrapper and the optimizer through; `uninstall()` restores them.
 
 Nothing is rebound until every check passed and every replacement imported, so a failed install leaves
 Megatron untouched.
+
+A split-backward schedule with TransformerEngine layers (recent enough, see `te_delayed_wgrad_blocker`) also
+sets `args.delay_wgrad_compute` (read by Megatron-LM into the model and DDP configs) and lets
+`TransformerConfig.__post_init__` accept it on dense models, so the layers queue their weight-gradient GEMMs
+for the schedule's W's.
 """
 
 from __future__ import annotations
@@ -42,18 +47,81 @@ def _accepted(func: Callable, **kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
+def _te_version() -> str | None:
+    """The installed TransformerEngine's version, or None."""
+    try:
+        from megatron.core.utils import get_te_version
+
+        version = get_te_version()
+    except ImportError:
+        return None
+    return None if str(version) == "0.0.0" else str(version)  # Megatron's answer when it is not importable
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def te_delayed_wgrad_blocker(args: argparse.Namespace) -> str | None:
+    """Why TransformerEngine layers cannot delay their weight gradients to W with these arguments (None: they
+    can). The TransformerEngine versions are Megatron-LM's own requirements for delay_wgrad_compute."""
+    needed = "2.3.0"
+    if not getattr(args, "gradient_accumulation_fusion", False):
+        needed = "2.7.0"  # unfused delayed weight gradients
+    if getattr(args, "overlap_grad_reduce", False):
+        needed = "2.8.0"  # their gradient hooks with Megatron's overlapped reduce
+    version = _te_version()
+    if version is None or _version_key(version) < _version_key(needed):
+        return f"delayed weight gradients need TransformerEngine >= {needed} here (found {version or 'none'})"
+    if getattr(args, "tp_comm_overlap", False):
+        return "TransformerEngine cannot delay weight gradients with --tp-comm-overlap (userbuffers)"
+    return None
+
+
+def delays_te_wgrads(args: argparse.Namespace, cfg: PluginConfig) -> bool:
+    """Whether the install builds TransformerEngine layers with delay_wgrad_compute (split schedules only)."""
+    return (cfg.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
+            and getattr(args, "transformer_impl", "local") == "transformer_engine"
+            and te_delayed_wgrad_blocker(args) is None)
+
+
 def split_backward_note(args: argparse.Namespace, cfg: PluginConfig) -> str | None:
-    """What a split-backward schedule can gain with these layers, when it is nothing."""
+    """What a split-backward schedule does with these layers, when TransformerEngine's are involved."""
     if cfg.pipeline_schedule not in SPLIT_BACKWARD_SCHEDULES:
         return None
-    if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        held = (f"; under ZeRO-{cfg.zero_stage} each stage's gradients wait from its first I to its first W beside "
-                "the gradient buffers" if cfg.zero_stage in (2, 3) else "")
-        return (f"note: --pipeline-schedule {cfg.pipeline_schedule} with --transformer-impl transformer_engine: "
-                "TransformerEngine layers run their whole backward at I (their delayed weight gradients are not "
-                f"wired in), so W's carry no work and the schedule runs as its fused order{held}. "
-                "--transformer-impl local defers the weight GEMMs; interleaved-1f1b or breadth-first need no split")
-    return None
+    if getattr(args, "transformer_impl", "local") != "transformer_engine":
+        return None
+    blocker = te_delayed_wgrad_blocker(args)
+    if blocker is None:
+        return (f"--pipeline-schedule {cfg.pipeline_schedule}: TransformerEngine layers are built with "
+                "delay_wgrad_compute; their weight-gradient GEMMs run at W (backward_dw)")
+    held = (f"; under ZeRO-{cfg.zero_stage} each stage's gradients wait from its first I to its first W beside "
+            "the gradient buffers" if cfg.zero_stage in (2, 3) else "")
+    return (f"note: --pipeline-schedule {cfg.pipeline_schedule} with --transformer-impl transformer_engine: "
+            f"{blocker}, so TransformerEngine layers run their whole backward at I, W's carry no work and the "
+            f"schedule runs as its fused order{held}. --transformer-impl local defers the weight GEMMs; "
+            "interleaved-1f1b or breadth-first need no split")
+
+
+def delayed_wgrad_post_init(original: Callable) -> Callable:
+    """TransformerConfig.__post_init__ that accepts delay_wgrad_compute on any model: Megatron's check ties the
+    flag to MoE expert-parallel overlap (its own user of it); the split schedules use it for every layer."""
+
+    @functools.wraps(original)
+    def __post_init__(self) -> None:
+        delayed = getattr(self, "delay_wgrad_compute", False)
+        self.delay_wgrad_compute = False
+        try:
+            original(self)
+        finally:
+            self.delay_wgrad_compute = delayed
+
+    __post_init__._bfpp_original = original  # type: ignore[attr-defined]
+    return __post_init__
 
 
 def make_forward_backward_getter(cfg: PluginConfig, factory: Callable, original: Callable) -> Callable:
@@ -196,6 +264,15 @@ def install(args: argparse.Namespace) -> PluginConfig:
             original = getattr(mod, point.attr)
             original = getattr(original, "__wrapped__", original)
             plan.append((mod, point.attr, with_gathered_params(original, writeback=False, position=0)))
+    if cfg.uses_runtime and delays_te_wgrads(args, cfg):
+        # TransformerEngine layers queue their weight-gradient GEMMs for W (backward_dw); Megatron's DDP and the
+        # sharded wrapper take their gradients through the layers' hooks (the DDP config reads the same flag).
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        post_init = TransformerConfig.__post_init__
+        post_init = getattr(post_init, "_bfpp_original", post_init)
+        plan.append((TransformerConfig, "__post_init__", delayed_wgrad_post_init(post_init)))
+        plan.append((args, "delay_wgrad_compute", True))
     version = compat.megatron_core_version()
     if plan and not compat.is_supported(version):
         warnings.warn(f"megatron_bfpp: megatron-core {version} is not a tested version "
@@ -204,7 +281,7 @@ def install(args: argparse.Namespace) -> PluginConfig:
 
     uninstall()
     for mod, attr, value in plan:
-        _rebound.append((mod, attr, getattr(mod, attr)))
+        _rebound.append((mod, attr, getattr(mod, attr, None)))
         setattr(mod, attr, value)
     _installed["config"] = cfg
     if cfg.uses_runtime:
@@ -212,7 +289,8 @@ def install(args: argparse.Namespace) -> PluginConfig:
         what += f", group size {cfg.microbatch_group_size})" if cfg.microbatch_group_size else ")"
         if cfg.zero_stage is not None:
             what += f", ZeRO-{cfg.zero_stage}"
-        _log(f"installed {what} on megatron-core {version}; rebound {', '.join(sorted({f'{m.__name__}.{a}' for m, a, _ in plan}))}")
+        rebound = sorted({f'{m.__name__}.{a}' for m, a, _ in plan if hasattr(m, "__name__")})
+        _log(f"installed {what} on megatron-core {version}; rebound {', '.join(rebound)}")
         note = split_backward_note(args, cfg)
         if note:
             _log(note)

@@ -25,7 +25,8 @@ from .hooks import DataParallelDriver
 from .p2p import PendingTransfer, PipelineP2P
 from .recorder import ActionRecorder
 from .split_backward import (PendingWeightGrad, backward_input, backward_weight, deferring_weight_grads,
-                             kept_bytes, report_deferral, splits_by_deferral)
+                             delayed_wgrad_modules, kept_bytes, report_deferral, run_delayed_wgrads,
+                             splits_by_deferral)
 
 
 # Megatron-Core before 0.17 (e.g. the one in Megatron-LM core_v0.16.1) takes the model type before the config.
@@ -105,6 +106,9 @@ class ScheduleExecutor:
         # and the (stage, micro-batch) pairs whose backward is split, whose forwards build deferring nodes.
         self.defers_weight_grads = [self.split_backward and splits_by_deferral(chunk) for chunk in self.model]
         self.split_pairs = schedule.split_pairs(pp_rank)
+        # Layers that queue their own weight-gradient GEMMs (TransformerEngine's delay_wgrad_compute): a W runs
+        # them, and so does every B on their chunk, right after its backward.
+        self.delayed_wgrads = [[] if self.forward_only else delayed_wgrad_modules(chunk) for chunk in self.model]
         # Megatron's pseudo-deallocation of sent outputs, except where the graph split runs (its autograd
         # calls check the output's shape): there outputs stay allocated until their I.
         self.deallocate_by_chunk = [bool(config.deallocate_pipeline_outputs) and (not self.split_backward or d)
@@ -323,6 +327,7 @@ class ScheduleExecutor:
         input_tensor, output, output_grad = self._backward_operands(a)
         t = self.recorder.start() if self.recorder else None
         input_grad = backward_step(input_tensor, output, output_grad, *_BACKWARD_STEP_MODEL_TYPE, self.config)
+        run_delayed_wgrads(self.delayed_wgrads[self.schedule.chunk_of(s)])
         if self.recorder:
             self.recorder.stop(t, a)
         self.activation_bytes -= self.saved_bytes.pop((s, m), 0)
@@ -340,19 +345,21 @@ class ScheduleExecutor:
             with deferring_weight_grads() as deferred, self.driver.input_grad(chunk):
                 input_grad = backward_step(input_tensor, output, output_grad, *_BACKWARD_STEP_MODEL_TYPE,
                                            self.config)
-            pending = PendingWeightGrad([], deferred=deferred)
+            pending = PendingWeightGrad([], deferred=deferred, delayed_modules=self.delayed_wgrads[chunk])
         else:
             weights = [p for p in self.model[chunk].parameters() if p.requires_grad]
             input_grad, pending = backward_input(input_tensor, output, output_grad, weights, self.config)
         if self.recorder:
             self.recorder.stop(t, a)
         if pending.deferred is not None:
-            # The I freed the stage's graph; what stays until the W is its deferred GEMMs' operands.
-            self.activation_bytes -= self.saved_bytes.pop((s, m), 0)
-            self.saved_bytes[(s, m)] = kept_bytes(pending.deferred)
-            self.activation_bytes += self.saved_bytes[(s, m)]
-            report_deferral(self.model[chunk], len(pending.deferred), f"{self.schedule.name}, model chunk {chunk}",
-                            show=self.global_rank == 0)
+            if not pending.delayed_modules:
+                # The I freed the stage's graph; what stays until the W is its deferred GEMMs' operands. (What
+                # TransformerEngine's queues keep is not visible: there the F's bytes count until the W.)
+                self.activation_bytes -= self.saved_bytes.pop((s, m), 0)
+                self.saved_bytes[(s, m)] = kept_bytes(pending.deferred)
+                self.activation_bytes += self.saved_bytes[(s, m)]
+            report_deferral(self.model[chunk], len(pending.deferred) + len(pending.delayed_modules or []),
+                            f"{self.schedule.name}, model chunk {chunk}", show=self.global_rank == 0)
         self.pending_weight_grads[(s, m)] = pending
         if s > 0:
             self.input_grads[(s, m)] = input_grad

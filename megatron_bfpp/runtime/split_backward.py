@@ -19,8 +19,11 @@ Two ways to split, chosen per chunk by the runtime:
 
 A linear defers without sequence parallelism, fused gradient accumulation or a deferred embedding wgrad (a
 column-parallel linear at T > 1 sums its input gradient over the tensor-parallel group at I, as Megatron's
-does); elsewhere (sequence parallelism, TransformerEngine layers) the layer's backward runs whole at I, once:
-Megatron-Core chunks never take the graph split, whose W would run such a layer's backward a second time.
+does). TransformerEngine layers built with `delay_wgrad_compute` (>= 2.3; the plugin's Megatron-LM install
+builds them so for split schedules) queue their weight-gradient GEMMs themselves: W calls their
+`backward_dw()`, whose hooks reach the data-parallel wrapper, and a B on such a chunk calls it right after its
+backward. Any other layer (sequence parallelism, TransformerEngine without the delay) runs its backward whole at
+I, once: Megatron-Core chunks never take the graph split, whose W would run such a layer's backward again.
 Loss scaling on the last stage follows Megatron's `backward_step`. Outputs of split schedules are not
 pseudo-deallocated (autograd checks their shapes), which keeps one output per pending I.
 """
@@ -151,6 +154,41 @@ def split_friendly_linears(chunk: torch.nn.Module) -> int:
     return count
 
 
+def _delays_wgrad(module: torch.nn.Module) -> bool:
+    """TransformerEngine's delayed weight gradients (>= 2.3, built with delay_wgrad_compute): the module's backward
+    queues its weight-gradient GEMMs and `backward_dw()` runs the oldest."""
+    if not callable(getattr(module, "backward_dw", None)):
+        return False
+    need = getattr(module, "need_backward_dw", None)
+    if callable(need):
+        return bool(need())
+    store = getattr(module, "wgrad_store", None)  # TransformerEngine releases without need_backward_dw
+    return store is not None and callable(getattr(store, "delay_wgrad_compute", None)) and bool(store.delay_wgrad_compute())
+
+
+def delayed_wgrad_modules(chunk: torch.nn.Module) -> list[torch.nn.Module]:
+    """The chunk's layers that delay their weight-gradient GEMMs themselves, in backward order (W and every B on
+    the chunk run `backward_dw()` on each, once per backward). Decided once per chunk."""
+    if not hasattr(chunk, "_bfpp_delayed_wgrad"):
+        found = [m for m in chunk.modules() if _delays_wgrad(m)]
+        for m in found:
+            if getattr(getattr(m, "config", None), "delay_wgrad_compute", True) is False:
+                raise ValueError(
+                    f"megatron_bfpp: {type(m).__name__} queues its weight gradients (TransformerEngine "
+                    "delay_wgrad_compute) but its Megatron config has delay_wgrad_compute=False, so its backward_dw() "
+                    "would drop them: build the model with config.delay_wgrad_compute=True (the plugin's install does "
+                    "for split-backward schedules) or without TransformerEngine's delay")
+        chunk._bfpp_delayed_wgrad = found[::-1]
+    return chunk._bfpp_delayed_wgrad
+
+
+def run_delayed_wgrads(modules: list[torch.nn.Module]) -> None:
+    """The oldest queued weight-gradient GEMMs of each module; their hooks hand the results to the data-parallel
+    wrapper (Megatron's DDP with delay_wgrad_compute, or the sharded wrapper)."""
+    for m in modules:
+        m.backward_dw()
+
+
 def splits_by_deferral(chunk: torch.nn.Module) -> bool:
     """Whether the chunk's backward splits by deferring weight GEMMs (every chunk holding a Megatron-Core module)
     rather than on the autograd graph (any other module). A second traversal of the graph would run again the
@@ -161,7 +199,8 @@ def splits_by_deferral(chunk: torch.nn.Module) -> bool:
         from megatron.core.transformer.module import MegatronModule
 
         split_friendly_linears(chunk)
-        chunk._bfpp_splits_by_deferral = any(isinstance(m, MegatronModule) for m in chunk.modules())
+        chunk._bfpp_splits_by_deferral = (any(isinstance(m, MegatronModule) for m in chunk.modules())
+                                          or bool(delayed_wgrad_modules(chunk)))
     return chunk._bfpp_splits_by_deferral
 
 
@@ -182,9 +221,9 @@ def report_deferral(chunk: torch.nn.Module, deferred: int, label: str, show: boo
         return None
     chunk._bfpp_deferral_reported = True
     line = f"megatron_bfpp: {label}: {deferred} linear layers defer their weight GEMMs to W"
-    if deferred < split_friendly_linears(chunk) or deferred == 0:
-        line += ("; layers with TransformerEngine, gradient-accumulation fusion or sequence parallelism run their "
-                 "whole backward at I")
+    if deferred < split_friendly_linears(chunk) + len(delayed_wgrad_modules(chunk)) or deferred == 0:
+        line += ("; layers with gradient-accumulation fusion, sequence parallelism or TransformerEngine without "
+                 "delay_wgrad_compute run their whole backward at I")
     if deferred == 0:
         line += " (W has no work here: the split schedule cannot fill bubbles with it)"
     if show:
@@ -202,6 +241,7 @@ class PendingWeightGrad:
     output: torch.Tensor | None = None
     output_grad: torch.Tensor | None = None
     deferred: list[DeferredWeightGrad] | None = None
+    delayed_modules: list[torch.nn.Module] | None = None  # TransformerEngine layers holding this I's GEMMs
 
 
 def kept_bytes(deferred: list[DeferredWeightGrad]) -> int:
@@ -242,6 +282,7 @@ def backward_weight(pending: PendingWeightGrad) -> None:
         for item in pending.deferred:
             torch.autograd.backward(item.weight, grad_tensors=item.compute())
         pending.deferred.clear()
+        run_delayed_wgrads(pending.delayed_modules or [])
         return
     if pending.param_groups is None:
         if pending.output is not None and pending.output.requires_grad:

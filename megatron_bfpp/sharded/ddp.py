@@ -32,6 +32,7 @@ group.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Any, Iterator
 
@@ -57,6 +58,18 @@ ZERO_STAGES = (1, 2, 3)
 # exactly one flat buffer, and a replicated (tied) parameter has exactly one gradient hook and one
 # data-parallel all-reduce, however many chunks hold it.
 _OWNER_ATTR = "_bfpp_sharded_owner"
+
+
+def _delayed_wgrad_owners(module: torch.nn.Module) -> dict[torch.nn.Parameter, torch.nn.Module]:
+    """Parameters whose gradients a layer sets itself after a delayed weight-gradient GEMM (TransformerEngine
+    marks them `skip_backward_post_hook`), with that layer."""
+    owners: dict[torch.nn.Parameter, torch.nn.Module] = {}
+    for m in module.modules():
+        if callable(getattr(m, "register_wgrad_accumulation_and_reduce_hooks", None)):
+            for p in m.parameters():
+                if getattr(p, "skip_backward_post_hook", False):
+                    owners.setdefault(p, m)
+    return owners
 
 
 def resolve_zero_stage(zero_stage: int | None, ddp_config: Any) -> int:
@@ -298,8 +311,15 @@ class ShardedDataParallel(DistributedDataParallel):
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
         self._hook_handles = []
+        delayed_by = _delayed_wgrad_owners(self.module)
         for p in list(self._bucket_of) + self.owned_replicated_params:
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(p)))
+            hook = self._make_grad_hook(p)
+            if p in delayed_by:
+                # TransformerEngine with delay_wgrad_compute sets these gradients in its backward_dw(), outside
+                # autograd, and calls the hooks registered here (as Megatron's DDP registers its own).
+                delayed_by[p].register_wgrad_accumulation_and_reduce_hooks(functools.partial(hook, p))
+            else:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
 
     # -- gradient accumulation --------------------------------------------------------------------------------
 
