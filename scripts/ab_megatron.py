@@ -15,8 +15,9 @@ added with --add-variant NAME=stock|plugin:"FLAGS", e.g. later schedules):
   ZeRO-2/3 give a stage its gradient buffer only from its first W, after the I where fused layers would write
   it). Their W's move work only on layers
   that defer their weight GEMMs (Megatron-Core's local linears without sequence parallelism or gradient-
-  accumulation fusion); with TransformerEngine layers every W's work runs at its I, and these variants
-  measure the split's overhead, not a gain (rank 0's log says how many linear layers deferred).
+  accumulation fusion) and on TransformerEngine layers built with delay_wgrad_compute (TransformerEngine >= 2.3,
+  2.7 unfused); with an older TransformerEngine every W's work runs at its I, and these variants measure the
+  split's overhead, not a gain (rank 0's log says how many linear layers deferred).
 
 Every variant gets the same model-level settings: --bf16 (fp32 on --cpu-smoke), TransformerEngine layers when
 importable (else --transformer-impl local, with a note), and at T > 1 --sequence-parallel plus, with
@@ -34,7 +35,7 @@ Outputs in --out: <variant>.rep<k>.log, ab_runs.json (what ran), ab_iterations.c
 memory per rank), ab_summary.csv (per variant: status, medians over the repetitions' medians with min/max
 spread of tokens/s, elapsed ms and TFLOP/s per GPU, peak memory, measured bubble, first-iteration loss,
 deferred_linears: for split-backward variants how many of rank 0's linear layers deferred their weight GEMMs to
-W (0: W has no work, e.g. TransformerEngine layers), ratios to the best stock) and ab_megatron.png.
+W (0: W has no work, e.g. TransformerEngine older than 2.3), ratios to the best stock) and ab_megatron.png.
 
     python scripts/ab_megatron.py --megatron-lm-dir ~/Megatron-LM --model 1.3b --gpus-per-node 8 --dry-run
     python scripts/ab_megatron.py --megatron-lm-dir ~/Megatron-LM --model 1.3b --gpus-per-node 8 --reps 3 --out ab-1.3b

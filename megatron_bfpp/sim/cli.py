@@ -35,7 +35,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-backward-w", choices=("wgrad-only", "at-i", "rerun-dgrad"), default="wgrad-only",
                    help="cost of a W in split-backward schedules: wgrad-only = the weight-gradient GEMMs alone "
                         "(Qi et al.; the runtime on Megatron-Core's local linears), at-i = nothing, the whole "
-                        "backward runs at I (layers that cannot defer: TransformerEngine's today), rerun-dgrad = "
+                        "backward runs at I (layers that cannot defer, e.g. TransformerEngine < 2.3), rerun-dgrad = "
                         "the fused linear nodes' whole backward again (a split on the autograd graph of "
                         "one-Function layers)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -18,8 +18,8 @@ of the stage input) and W (the weight gradients) by FLOPs, per Qi et al. (ICLR 2
 I = sbh(24h + 8s), W = 24sbh^2 (`GPTModel.layer_backward_flops`); the output layer and loss half and half;
 a recomputed forward belongs to I (the input gradient cannot start without it). `Costs.input_grad_share`
 carries I / (I + W) per stage. Two other costs of a W: `Config.w_at_input_grad` models layers that cannot
-defer their weight GEMMs, as the runtime runs them on Megatron-Core chunks (TransformerEngine layers, fused
-gradient accumulation, sequence parallelism): I is the whole backward and W does nothing, so the split
+defer their weight GEMMs, as the runtime runs them on Megatron-Core chunks (TransformerEngine older than 2.3,
+local linears with fused gradient accumulation or sequence parallelism): I is the whole backward and W does nothing, so the split
 schedules are their order with B at the I's. `Config.w_reruns_input_grad` models a split on the autograd graph
 of layers that are one autograd Function (what the runtime does on chunks without Megatron-Core modules): W
 re-runs the node's whole backward, so the input-gradient GEMMs are paid twice.
@@ -294,7 +294,7 @@ class Config:
     # Split-backward schedules only: W re-runs the input-gradient GEMMs too (a split on the autograd graph of
     # one-Function layers) ...
     w_reruns_input_grad: bool = False
-    # ... or W's work runs at I (layers that cannot defer: TransformerEngine's today).
+    # ... or W's work runs at I (layers that cannot defer, e.g. TransformerEngine older than 2.3).
     w_at_input_grad: bool = False
 
     @property
