@@ -68,9 +68,8 @@ class _SelfAccumulatingLinear(torch.autograd.Function):
         return g @ weight, None, g2.sum(0)
 
 
-class SelfAccumulatingToyStage(MegatronModule):
-    """ToyStage as a Megatron-Core module whose linear accumulates its weight gradient into `main_grad` in its
-    own backward (read the weight's gradient there, the bias's in `.grad`)."""
+class _MegatronToyStage(MegatronModule):
+    """ToyStage as a Megatron-Core module (same weights); subclasses change how its linear runs (`_linear`)."""
 
     def __init__(self, config, stage: int, num_stages: int, seed: int = 0):
         super().__init__(config)
@@ -78,14 +77,27 @@ class SelfAccumulatingToyStage(MegatronModule):
         self.stage, self.num_stages = stage, num_stages
         self.pre_process, self.post_process = toy.pre_process, toy.post_process
         self.linear = toy.linear
-        self.linear.weight.main_grad = torch.zeros_like(self.linear.weight)
         self.input_tensor = None
 
     set_input_tensor = ToyStage.set_input_tensor
 
+    def _linear(self, inp):
+        raise NotImplementedError
+
     def forward(self, x):
-        inp = x if self.pre_process else self.input_tensor
-        return torch.tanh(_SelfAccumulatingLinear.apply(inp, self.linear.weight, self.linear.bias))
+        return torch.tanh(self._linear(x if self.pre_process else self.input_tensor))
+
+
+class SelfAccumulatingToyStage(_MegatronToyStage):
+    """A toy stage whose linear accumulates its weight gradient into `main_grad` in its own backward (read the
+    weight's gradient there, the bias's in `.grad`)."""
+
+    def __init__(self, config, stage: int, num_stages: int, seed: int = 0):
+        super().__init__(config, stage, num_stages, seed)
+        self.linear.weight.main_grad = torch.zeros_like(self.linear.weight)
+
+    def _linear(self, inp):
+        return _SelfAccumulatingLinear.apply(inp, self.linear.weight, self.linear.bias)
 
 
 class _DelayedWgradLinearFunction(torch.autograd.Function):
@@ -164,22 +176,15 @@ class DelayedWgradLinear(torch.nn.Module):
             hook()
 
 
-class DelayedWgradToyStage(MegatronModule):
-    """ToyStage as a Megatron-Core module whose linear delays its weight gradients as TransformerEngine's does."""
+class DelayedWgradToyStage(_MegatronToyStage):
+    """A toy stage whose linear delays its weight gradients as TransformerEngine's does."""
 
     def __init__(self, config, stage: int, num_stages: int, seed: int = 0, fuse_wgrad_accumulation: bool = False):
-        super().__init__(config)
-        toy = ToyStage(config, stage, num_stages, seed)
-        self.stage, self.num_stages = stage, num_stages
-        self.pre_process, self.post_process = toy.pre_process, toy.post_process
-        self.linear = DelayedWgradLinear(toy.linear, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-        self.input_tensor = None
+        super().__init__(config, stage, num_stages, seed)
+        self.linear = DelayedWgradLinear(self.linear, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
 
-    set_input_tensor = ToyStage.set_input_tensor
-
-    def forward(self, x):
-        inp = x if self.pre_process else self.input_tensor
-        return torch.tanh(self.linear(inp))
+    def _linear(self, inp):
+        return self.linear(inp)
 
 
 def make_batches(num: int, seed: int = 1) -> list[dict]:

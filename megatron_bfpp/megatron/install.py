@@ -58,14 +58,6 @@ def _te_version() -> str | None:
     return None if str(version) == "0.0.0" else str(version)  # Megatron's answer when it is not importable
 
 
-def _version_key(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
 def te_delayed_wgrad_blocker(args: argparse.Namespace) -> str | None:
     """Why TransformerEngine layers cannot delay their weight gradients to W with these arguments (None: they
     can). The TransformerEngine versions are Megatron-LM's own requirements for delay_wgrad_compute."""
@@ -74,8 +66,10 @@ def te_delayed_wgrad_blocker(args: argparse.Namespace) -> str | None:
         needed = "2.7.0"  # unfused delayed weight gradients
     if getattr(args, "overlap_grad_reduce", False):
         needed = "2.8.0"  # their gradient hooks with Megatron's overlapped reduce
+    from packaging.version import Version  # a megatron-core dependency
+
     version = _te_version()
-    if version is None or _version_key(version) < _version_key(needed):
+    if version is None or Version(version) < Version(needed):
         return f"delayed weight gradients need TransformerEngine >= {needed} here (found {version or 'none'})"
     if getattr(args, "tp_comm_overlap", False):
         return "TransformerEngine cannot delay weight gradients with --tp-comm-overlap (userbuffers)"

@@ -345,20 +345,20 @@ class ScheduleExecutor:
             with deferring_weight_grads() as deferred, self.driver.input_grad(chunk):
                 input_grad = backward_step(input_tensor, output, output_grad, *_BACKWARD_STEP_MODEL_TYPE,
                                            self.config)
-            pending = PendingWeightGrad([], deferred=deferred, delayed_modules=self.delayed_wgrads[chunk])
+            pending = PendingWeightGrad([], deferred=deferred)
         else:
             weights = [p for p in self.model[chunk].parameters() if p.requires_grad]
             input_grad, pending = backward_input(input_tensor, output, output_grad, weights, self.config)
         if self.recorder:
             self.recorder.stop(t, a)
         if pending.deferred is not None:
-            if not pending.delayed_modules:
+            if not self.delayed_wgrads[chunk]:
                 # The I freed the stage's graph; what stays until the W is its deferred GEMMs' operands. (What
                 # TransformerEngine's queues keep is not visible: there the F's bytes count until the W.)
                 self.activation_bytes -= self.saved_bytes.pop((s, m), 0)
                 self.saved_bytes[(s, m)] = kept_bytes(pending.deferred)
                 self.activation_bytes += self.saved_bytes[(s, m)]
-            report_deferral(self.model[chunk], len(pending.deferred) + len(pending.delayed_modules or []),
+            report_deferral(self.model[chunk], len(pending.deferred) + len(self.delayed_wgrads[chunk]),
                             f"{self.schedule.name}, model chunk {chunk}", show=self.global_rank == 0)
         self.pending_weight_grads[(s, m)] = pending
         if s > 0:
@@ -373,6 +373,7 @@ class ScheduleExecutor:
         pending = self.pending_weight_grads.pop((s, m))
         t = self.recorder.start() if self.recorder else None
         backward_weight(pending)
+        run_delayed_wgrads(self.delayed_wgrads[self.schedule.chunk_of(s)])
         if self.recorder:
             self.recorder.stop(t, a)
         self.activation_bytes -= self.saved_bytes.pop((s, m), 0)

@@ -241,7 +241,6 @@ class PendingWeightGrad:
     output: torch.Tensor | None = None
     output_grad: torch.Tensor | None = None
     deferred: list[DeferredWeightGrad] | None = None
-    delayed_modules: list[torch.nn.Module] | None = None  # TransformerEngine layers holding this I's GEMMs
 
 
 def kept_bytes(deferred: list[DeferredWeightGrad]) -> int:
@@ -282,7 +281,6 @@ def backward_weight(pending: PendingWeightGrad) -> None:
         for item in pending.deferred:
             torch.autograd.backward(item.weight, grad_tensors=item.compute())
         pending.deferred.clear()
-        run_delayed_wgrads(pending.delayed_modules or [])
         return
     if pending.param_groups is None:
         if pending.output is not None and pending.output.requires_grad:
