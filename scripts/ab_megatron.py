@@ -11,9 +11,8 @@ added with --add-variant NAME=stock|plugin:"FLAGS", e.g. later schedules):
   distributed optimizer and overlap flags (no --zero-stage): what the schedule buys;
 - plugin-bf-zero3: the launcher, --pipeline-schedule breadth-first --zero-stage 3: what the sharding adds;
 - plugin-izb-distopt, plugin-bfzb-zero3 (not in the default list): the split-backward schedules interleaved-zb
-  with Megatron's distributed optimizer and breadth-first-zb with ZeRO-3 (and --no-gradient-accumulation-fusion:
-  ZeRO-2/3 give a stage its gradient buffer only from its first W, after the I where fused layers would write
-  it). Their W's move work only on layers
+  with Megatron's distributed optimizer and breadth-first-zb with ZeRO-3 (with gradient-accumulation fusion,
+  Megatron-LM's default, ZeRO-3 takes a stage's gradient buffer at its first I). Their W's move work only on layers
   that defer their weight GEMMs (Megatron-Core's local linears without sequence parallelism or gradient-
   accumulation fusion) and on TransformerEngine layers built with delay_wgrad_compute (TransformerEngine >= 2.3,
   2.7 unfused); with an older TransformerEngine every W's work runs at its I, and these variants measure the
@@ -453,8 +452,7 @@ def variants(a: argparse.Namespace, lay: dict) -> list[Variant]:
         "plugin-izb-distopt": Variant("plugin-izb-distopt", True, ["--pipeline-schedule", "interleaved-zb", *DIST_OPT],
                                       "interleaved zero-bubble (split backward), Megatron's distributed optimizer"),
         "plugin-bfzb-zero3": Variant("plugin-bfzb-zero3", True,
-                                     ["--pipeline-schedule", "breadth-first-zb", "--zero-stage", "3",
-                                      "--no-gradient-accumulation-fusion"],
+                                     ["--pipeline-schedule", "breadth-first-zb", "--zero-stage", "3"],
                                      "breadth-first with W deferral (split backward), the plugin's ZeRO-3"),
     }
     for spec in a.add_variant:

@@ -71,10 +71,11 @@ def test_dry_run_prints_every_command_and_runs_nothing(dry_run) -> None:
     plugin = [c for c in torchrun if c[c.index("--pipeline-schedule") + 1] == "1f1b"]
     assert len(plugin) == 1 and plugin[0][plugin[0].index("--zero-stage") + 1] == "3"
     assert any(c[c.index("--pipeline-schedule") + 1] == "default" for c in torchrun)
-    # The split backward in Megatron-LM (TransformerEngine's delayed weight gradients where installed), ZeRO-1:
-    # Megatron-LM's default gradient-accumulation fusion binds main_grad at I, which ZeRO-2/3 refuse.
+    # The split backward in Megatron-LM (TransformerEngine's delayed weight gradients where installed) with
+    # Megatron-LM's default gradient-accumulation fusion, which binds main_grad at I: ZeRO-2 takes it there.
     split = [c for c in torchrun if c[c.index("--pipeline-schedule") + 1] == "zb-h1"]
-    assert len(split) == 1 and split[0][split[0].index("--zero-stage") + 1] == "1"
+    assert len(split) == 1 and split[0][split[0].index("--zero-stage") + 1] == "2"
+    assert "--no-gradient-accumulation-fusion" not in split[0]
     assert "megatron_zb=megatron_ref" in stdout
     assert "--transformer-impl" in torchrun[0]
     assert "apply_megatron_patches.sh" in stdout and "dry run: nothing was run" in stdout

@@ -443,3 +443,55 @@ def test_zero3_releases_before_ws_that_read_no_weights(name, vp, pp, m):
     if earlier:  # validation knows the difference: that order is invalid for a W that reads weights
         with pytest.raises(ScheduleError, match="without its parameters gathered"):
             validate(dataclasses.replace(free, w_needs_weights=True))
+
+
+def _live_grad_buffers(acts: list, writers: frozenset) -> int:
+    """Peak number of stages holding a full gradient buffer: taken at a stage's first writer op after its last
+    REDUCE (the runtime allocates there), given back at its REDUCE."""
+    live: set[int] = set()
+    peak = 0
+    for a in acts:
+        if a.op in writers:
+            live.add(a.stage)
+        elif a.op == Op.REDUCE:
+            live.discard(a.stage)
+        peak = max(peak, len(live))
+    return peak
+
+
+LOOPED_LAYOUTS = ((2, 2, 4, None), (4, 3, 8, None), (4, 4, 4, None), (4, 3, 8, 4), (4, 2, 2, None))
+
+
+@pytest.mark.parametrize("name,pp,vp,m,g", [
+    *[("breadth-first-zb", *layout) for layout in LOOPED_LAYOUTS],
+    *[("interleaved-zb", pp, vp, m, g) for pp, vp, m, g in LOOPED_LAYOUTS if m % pp == 0 and g is None],
+    *[("zb-h1", pp, 1, m, None) for pp, m in ((2, 4), (4, 8), (4, 2))],
+])
+@pytest.mark.parametrize("grad_buffers", [1, 2])
+def test_i_writes_grads_holds_the_gradient_buffer_from_the_first_i(name, pp, vp, m, g, grad_buffers):
+    """Gradient-accumulation fusion writes main_grad inside the I: lowered with i_writes_grads, ZeRO-2/3 keep
+    at most `grad_buffers` stages' buffers live counting I's as writers, every stage is reduced after its last
+    I and W, and the flag survives the text and JSON forms."""
+    from megatron_bfpp.schedule.formats import from_json, to_json
+
+    for zero in (2, 3):
+        fused = make_schedule(name, pp, vp, m, g, zero_stage=zero, grad_buffers=grad_buffers,
+                              w_needs_weights=False, i_writes_grads=True)
+        assert fused.grad_write_ops == {Op.B, Op.I, Op.W}
+        for r, acts in enumerate(fused.ranks):
+            assert _live_grad_buffers(acts, fused.grad_write_ops) <= grad_buffers, (zero, r)
+            for s in fused.stages_of(r):
+                last_write = max(i for i, a in enumerate(acts) if a.op in (Op.I, Op.W) and a.stage == s)
+                assert any(a.op == Op.REDUCE and a.stage == s for a in acts[last_write:]), (zero, r, s)
+        assert Schedule.from_text(fused.to_text()).i_writes_grads is True
+        assert from_json(to_json(fused)).i_writes_grads is True
+    plain = make_schedule(name, pp, vp, m, g, zero_stage=3, grad_buffers=grad_buffers, w_needs_weights=False)
+    assert not plain.i_writes_grads and "i_writes_grads" not in json.loads(to_json(plain))
+    assert all(_live_grad_buffers(acts, plain.grad_write_ops) <= grad_buffers for acts in plain.ranks)
+
+
+def test_without_i_writes_grads_an_i_may_run_outside_its_gradient_buffer():
+    """The flag matters: lowered for W-only writers, I's run where their stage holds no buffer (with one buffer
+    and two stages per rank), which fused layers would write into freed memory."""
+    plain = make_schedule("breadth-first-zb", 2, 2, 4, zero_stage=2, grad_buffers=1, w_needs_weights=False)
+    assert any(_live_grad_buffers(acts, frozenset({Op.B, Op.I, Op.W})) > 1 for acts in plain.ranks)

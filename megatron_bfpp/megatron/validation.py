@@ -262,10 +262,6 @@ def validate_args(args: argparse.Namespace) -> PluginConfig:
                 f"{graph_flag.split()[0]} (use --cuda-graph-impl none) or use a fused schedule (breadth-first, "
                 "interleaved-1f1b)"
             )
-        if schedule in SPLIT_BACKWARD_SCHEDULES and zero in (2, 3) and _flag(args, "gradient_accumulation_fusion", False):
-            from ..runtime.split_backward import gradient_fusion_conflict
-
-            raise ConfigError(gradient_fusion_conflict(schedule, zero))
         if _flag(args, "cuda_graph_impl", "none") == "full_iteration":
             per_layer = ("--cuda-graph-impl local/transformer_engine (per-layer), " if zero in (None, 1) else "")
             raise ConfigError(

@@ -339,6 +339,8 @@ class ScheduleExecutor:
         s, m = a.stage, a.microbatch
         chunk = self.schedule.chunk_of(s)
         self._wait_params(s)
+        if Op.I in self.schedule.grad_write_ops:  # fused accumulation writes main_grad inside this backward
+            self._grad_buffer(s)
         input_tensor, output, output_grad = self._backward_operands(a)
         t = self.recorder.start() if self.recorder else None
         if self.defers_weight_grads[chunk]:

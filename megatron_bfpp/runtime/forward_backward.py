@@ -21,7 +21,7 @@ from .executor import PipelineError, ScheduleExecutor
 from .hooks import DataParallelDriver, MegatronConfigDriver
 from .p2p import PipelineP2P
 from .recorder import ActionRecorder
-from .split_backward import gradient_fusion_conflict, splits_by_deferral
+from .split_backward import splits_by_deferral
 
 _state: dict[str, Any] = {"recorder": None, "wait_timeout_s": None, "last_schedule": None, "p2p": {},
                           "last_run": {}, "agreed": set()}
@@ -49,9 +49,10 @@ def last_run_stats() -> dict:
 
 @functools.lru_cache(maxsize=64)
 def _cached_schedule(name: str, pp: int, vp: int, m: int, g: int | None, zero: int | None, forward_only: bool,
-                     nw: int, ng: int, w_needs_weights: bool) -> Schedule:
+                     nw: int, ng: int, w_needs_weights: bool, i_writes_grads: bool) -> Schedule:
     return make_schedule(name, pp, vp, m, g, zero_stage=zero, lowered=True, forward_only=forward_only,
-                         weight_buffers=nw, grad_buffers=ng, w_needs_weights=w_needs_weights)
+                         weight_buffers=nw, grad_buffers=ng, w_needs_weights=w_needs_weights,
+                         i_writes_grads=i_writes_grads)
 
 
 def _pp_group(pg_collection: Any) -> dist.ProcessGroup | None:
@@ -96,12 +97,13 @@ def _handshake(schedule: Schedule, groups: dict[str, dist.ProcessGroup | None], 
     """
     fields = [zlib.crc32(schedule.name.encode()), schedule.pp, schedule.vp, schedule.microbatches,
               schedule.group_size or 0, schedule.zero_stage or 0, int(schedule.forward_only),
-              schedule.weight_buffers, schedule.grad_buffers, int(schedule.w_needs_weights)]
+              schedule.weight_buffers, schedule.grad_buffers, int(schedule.w_needs_weights),
+              int(schedule.i_writes_grads)]
     key = (tuple(fields), tuple(tuple(dist.get_process_group_ranks(g)) if g is not None else () for g in groups.values()))
     if key in _state["agreed"]:
         return
     names = ["schedule", "P", "V", "M", "group size", "ZeRO stage", "forward-only", "weight buffers",
-             "grad buffers", "W needs weights"]
+             "grad buffers", "W needs weights", "I writes gradients"]
     mine = torch.tensor(fields, dtype=torch.int64, device=device)
     for kind, group in groups.items():
         if group is None or dist.get_world_size(group) == 1:
@@ -173,9 +175,6 @@ def get_forward_backward_func(
         if pipeline_schedule not in GROUPED_SCHEDULES:
             group = None
         driver, zero = _make_driver(chunks, config)
-        if (pipeline_schedule in SPLIT_BACKWARD_SCHEDULES and not forward_only and zero in (2, 3)
-                and getattr(config, "gradient_accumulation_fusion", False)):
-            raise ValueError(gradient_fusion_conflict(pipeline_schedule, zero))
         if forward_only:
             zero_for_schedule = 3 if zero == 3 else None  # ZeRO-3 still gathers; nothing to reduce
         else:
@@ -184,8 +183,12 @@ def get_forward_backward_func(
         # them after the stage's last I); on chunks split on the autograd graph it may read them.
         w_needs_weights = not (pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
                                and all(splits_by_deferral(c) for c in chunks))
+        # Fused accumulation adds weight gradients into main_grad inside the I's backward (TransformerEngine binds
+        # main_grad there even when it delays the GEMM to W): ZeRO-2/3 must hold the buffer from the first I.
+        i_writes_grads = (pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
+                          and bool(getattr(config, "gradient_accumulation_fusion", False)))
         schedule = _cached_schedule(pipeline_schedule, pp, vp, num_microbatches, group, zero_for_schedule,
-                                    bool(forward_only), weight_buffers, grad_buffers, w_needs_weights)
+                                    bool(forward_only), weight_buffers, grad_buffers, w_needs_weights, i_writes_grads)
         _state["last_schedule"] = schedule
         if hasattr(driver, "set_buffer_limits"):  # the sharded driver keeps the schedule's buffer bounds
             driver.set_buffer_limits(schedule.weight_buffers, schedule.grad_buffers)

@@ -204,16 +204,6 @@ def splits_by_deferral(chunk: torch.nn.Module) -> bool:
     return chunk._bfpp_splits_by_deferral
 
 
-def gradient_fusion_conflict(schedule: str, zero_stage: int) -> str:
-    """The error for gradient-accumulation fusion under a split schedule with ZeRO-2/3."""
-    return (f"--gradient-accumulation-fusion (the model config's gradient_accumulation_fusion; Megatron-LM's default "
-            f"where its fused kernel exists) with --pipeline-schedule {schedule} and --zero-stage {zero_stage}: fused "
-            "layers add their weight gradients into main_grad inside the I's backward (TransformerEngine binds it "
-            f"there even when it delays the GEMM to W), while ZeRO-{zero_stage} gives a stage its gradient buffer only "
-            "from its first W. Pass --no-gradient-accumulation-fusion, or use --zero-stage 1 (or Megatron's DDP), or "
-            "a fused schedule (breadth-first, interleaved-1f1b)")
-
-
 def report_deferral(chunk: torch.nn.Module, deferred: int, label: str, show: bool) -> str | None:
     """Once per chunk: how many linear layers deferred their weight GEMMs in its first I (printed when `show`),
     so a run whose layers cannot defer (W then has nothing to do) says so. Returns the line, or None."""

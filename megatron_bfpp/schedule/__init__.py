@@ -19,12 +19,13 @@ def make_schedule(
     weight_buffers: int = 2,
     grad_buffers: int = 2,
     w_needs_weights: bool = True,
+    i_writes_grads: bool = False,
 ) -> Schedule:
     """Build, lower (p2p, and data-parallel when `zero_stage` is given) and validate a schedule."""
     sched = build(name, pp, vp, microbatches, group_size, forward_only)
     validate(sched)
     if lowered:
-        sched = lower(sched, zero_stage, weight_buffers, grad_buffers, w_needs_weights)
+        sched = lower(sched, zero_stage, weight_buffers, grad_buffers, w_needs_weights, i_writes_grads)
         validate(sched)
     return sched
 

@@ -25,6 +25,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--w-needs-weights", choices=("yes", "no"), default="yes",
                    help="no: a W computes weight gradients from kept activations alone, so ZeRO-3 may release a "
                         "stage's weights after its last F/B/I (the runtime on Megatron-Core's local linears)")
+    p.add_argument("--i-writes-grads", choices=("yes", "no"), default="no",
+                   help="yes: an I writes its stage's gradient buffer (gradient-accumulation fusion), so ZeRO-2/3 "
+                        "hold a stage's gradient buffer from its first I instead of its first W")
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--lowered", action="store_true", help="include p2p (and data-parallel) actions")
     p.add_argument("--format", choices=("text", "json", "csv"), default="text")
@@ -38,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             args.schedule, args.pp, args.vp, args.microbatches, args.group_size,
             zero_stage=args.zero_stage, lowered=args.lowered or args.zero_stage is not None,
             forward_only=args.forward_only, weight_buffers=args.weight_buffers, grad_buffers=args.grad_buffers,
-            w_needs_weights=args.w_needs_weights == "yes",
+            w_needs_weights=args.w_needs_weights == "yes", i_writes_grads=args.i_writes_grads == "yes",
         )
     except ScheduleError as e:
         print(f"bfpp schedule: error: {e}", file=sys.stderr)

@@ -22,7 +22,8 @@ def to_json_dict(schedule: Schedule) -> dict:
         "zero_stage": schedule.zero_stage,
         "ranks": [[a.to_dict() for a in acts] for acts in schedule.ranks],
         "peak_activations": peak_activations(schedule),
-    } | ({} if schedule.w_needs_weights else {"w_needs_weights": False})
+    } | ({} if schedule.w_needs_weights else {"w_needs_weights": False}) | (
+        {"i_writes_grads": True} if schedule.i_writes_grads else {})
 
 
 def to_json(schedule: Schedule) -> str:
@@ -34,7 +35,8 @@ def from_json_dict(d: dict) -> Schedule:
         ranks = {r: [Action.from_dict(a) for a in acts] for r, acts in enumerate(d["ranks"])}
     except (KeyError, TypeError, ValueError) as e:
         raise ScheduleError(f"bad schedule JSON: {e}: expected {{'ranks': [[{{'op','stage','microbatch'}}]]}}")
-    header = {k: d[k] for k in ("pp", "vp", "microbatches", "group_size", "zero_stage", "w_needs_weights") if k in d}
+    header = {k: d[k] for k in ("pp", "vp", "microbatches", "group_size", "zero_stage", "w_needs_weights",
+                                   "i_writes_grads") if k in d}
     if "schedule" in d:
         header["schedule"] = d["schedule"]
     return _schedule_from_parts(header, ranks)

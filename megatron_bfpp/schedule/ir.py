@@ -46,6 +46,12 @@ def weight_ops(w_needs_weights: bool) -> frozenset[Op]:
     return COMPUTE_OPS if w_needs_weights else COMPUTE_OPS - {Op.W}
 
 
+def grad_write_ops(i_writes_grads: bool) -> frozenset[Op]:
+    """Compute ops that write their stage's gradient buffer: B and W, and I as well when layers accumulate
+    into main_grad inside the input-gradient backward (gradient-accumulation fusion binds it there)."""
+    return frozenset({Op.B, Op.I, Op.W}) if i_writes_grads else frozenset({Op.B, Op.W})
+
+
 class ScheduleError(ValueError):
     """A schedule (or its configuration) is invalid. The message names the flag or the rank/step/action."""
 
@@ -150,6 +156,9 @@ class Schedule:
     # False when a W computes weight gradients from kept activations alone (deferred weight GEMMs): ZeRO-3
     # then releases a stage's weights after its last F/B/I, and a W may run with them released.
     w_needs_weights: bool = True
+    # True when an I writes its stage's gradient buffer (fused accumulation into main_grad): ZeRO-2/3 then
+    # hold a stage's gradient buffer from its first I, not its first W.
+    i_writes_grads: bool = False
     meta: dict = field(default_factory=dict)
 
     @property
@@ -170,6 +179,11 @@ class Schedule:
         """Compute ops of this schedule that read their stage's weights (ZeRO-3: they run gathered)."""
         return weight_ops(self.w_needs_weights)
 
+    @property
+    def grad_write_ops(self) -> frozenset[Op]:
+        """Compute ops of this schedule that write their stage's gradient buffer (ZeRO-2/3: it must exist)."""
+        return grad_write_ops(self.i_writes_grads)
+
     def split_pairs(self, rank: int | None = None) -> set[tuple[int, int]]:
         """(stage, micro-batch) pairs whose backward is split into I and W, on `rank` (default: all ranks)."""
         ranks = self.ranks if rank is None else [self.ranks[rank]]
@@ -187,6 +201,7 @@ class Schedule:
             f"group_size={self.group_size} zero_stage={self.zero_stage} lowered={int(self.lowered)} "
             f"forward_only={int(self.forward_only)} weight_buffers={self.weight_buffers} "
             f"grad_buffers={self.grad_buffers}" + ("" if self.w_needs_weights else " w_needs_weights=0")
+            + (" i_writes_grads=1" if self.i_writes_grads else "")
         )
 
     def to_text(self) -> str:
@@ -247,4 +262,5 @@ def _schedule_from_parts(header: dict, ranks: dict[int, list[Action]]) -> Schedu
         weight_buffers=int(header.get("weight_buffers", 2)),
         grad_buffers=int(header.get("grad_buffers", 2)),
         w_needs_weights=str(header.get("w_needs_weights", 1)).lower() not in ("0", "false"),
+        i_writes_grads=str(header.get("i_writes_grads", 0)).lower() in ("1", "true"),
     )

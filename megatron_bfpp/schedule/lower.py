@@ -18,11 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .ir import COMPUTE_OPS, INPUT_GRAD_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError, weight_ops
-
-# Ops that write a stage's weight gradients: they need its gradient buffer, and its REDUCE follows the last.
-# (The small gradients an I computes besides the deferred weight GEMMs wait beside their parameter until its W.)
-GRAD_WRITE_OPS = frozenset({Op.B, Op.W})
+from .ir import COMPUTE_OPS, INPUT_GRAD_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError, grad_write_ops, weight_ops
 
 
 # Nominal compute durations used to decide where transfers go (the order, not the timing, is what matters).
@@ -193,10 +189,11 @@ def _run_stage(run: list[Action]) -> int:
 
 def add_data_parallel(
     schedule: Schedule, zero_stage: int, weight_buffers: int = 2, grad_buffers: int = 2,
-    w_needs_weights: bool = True,
+    w_needs_weights: bool = True, i_writes_grads: bool = False,
 ) -> Schedule:
     """Insert GATHER/RELEASE/REDUCE for ZeRO stage 1, 2 or 3 with a bounded number of buffers. With
-    `w_needs_weights` False a W is not a use of its stage's weights (ZeRO-3 may release them before it)."""
+    `w_needs_weights` False a W is not a use of its stage's weights (ZeRO-3 may release them before it); with
+    `i_writes_grads` an I writes its stage's gradient buffer (it is taken at the first I, not the first W)."""
     if zero_stage not in (1, 2, 3):
         raise ScheduleError(f"--zero-stage must be 1, 2 or 3 (got {zero_stage})")
     if weight_buffers < 1 or grad_buffers < 1:
@@ -204,20 +201,23 @@ def add_data_parallel(
     if schedule.zero_stage is not None:
         raise ScheduleError("schedule already has data-parallel actions")
     ranks = [
-        _lower_rank_dp(schedule, actions, zero_stage, weight_buffers, grad_buffers, w_needs_weights)
+        _lower_rank_dp(schedule, actions, zero_stage, weight_buffers, grad_buffers, weight_ops(w_needs_weights),
+                       grad_write_ops(i_writes_grads))
         for actions in schedule.ranks
     ]
     return dataclasses.replace(
         schedule, ranks=ranks, zero_stage=zero_stage, weight_buffers=weight_buffers, grad_buffers=grad_buffers,
-        w_needs_weights=w_needs_weights,
+        w_needs_weights=w_needs_weights, i_writes_grads=i_writes_grads,
     )
 
 
 def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int, ng: int,
-                   w_needs_weights: bool) -> list[Action]:
+                   reads_weights: frozenset[Op], writes_grads: frozenset[Op]) -> list[Action]:
+    """One rank's data-parallel actions. Ops in `writes_grads` need their stage's gradient buffer and its REDUCE
+    follows the last of them (without fused accumulation, the small gradients an I computes besides the
+    deferred weight GEMMs wait beside their parameter until its W)."""
     runs = _runs(actions)
     stages = [_run_stage(r) for r in runs]
-    reads_weights = weight_ops(w_needs_weights)
     weight_runs = [i for i, r in enumerate(runs) if any(a.op in reads_weights for a in r)]
     pre: list[list[Action]] = [[] for _ in runs]
     post: list[list[Action]] = [[] for _ in runs]
@@ -225,7 +225,7 @@ def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int
 
     def next_grad_use(stage: int, after: int) -> int:
         for j in range(after + 1, len(runs)):
-            if stages[j] == stage and any(a.op in GRAD_WRITE_OPS for a in runs[j]):
+            if stages[j] == stage and any(a.op in writes_grads for a in runs[j]):
                 return j
         return len(runs) + 1  # never again this step
 
@@ -276,9 +276,9 @@ def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int
     def scope_of(run: list[Action]) -> int:
         if zero == 1:
             return 0
-        return accumulation_group(schedule, next(a.microbatch for a in run if a.op in GRAD_WRITE_OPS))  # type: ignore[arg-type]
+        return accumulation_group(schedule, next(a.microbatch for a in run if a.op in writes_grads))  # type: ignore[arg-type]
 
-    bwd_runs = [i for i, r in enumerate(runs) if any(a.op in GRAD_WRITE_OPS for a in r)]
+    bwd_runs = [i for i, r in enumerate(runs) if any(a.op in writes_grads for a in r)]
     last_bwd_of_scope: set[int] = set()
     seen: set[tuple[int, int]] = set()
     for i in reversed(bwd_runs):
@@ -323,7 +323,7 @@ def _lower_rank_dp(schedule: Schedule, actions: list[Action], zero: int, nw: int
         others = [a for a in post[i] if a.op != Op.REDUCE]
         inserts: dict[int, list[Action]] = {}
         if reduces:
-            inserts.setdefault(after_last(run, GRAD_WRITE_OPS), []).extend(reduces)
+            inserts.setdefault(after_last(run, writes_grads), []).extend(reduces)
         if others:
             inserts.setdefault(before_trailing_w(run), []).extend(others)
         seq: list[Action] = []
@@ -355,10 +355,11 @@ def _keep_batches_together(actions: list[Action]) -> list[Action]:
 
 def lower(
     schedule: Schedule, zero_stage: int | None = None, weight_buffers: int = 2, grad_buffers: int = 2,
-    w_needs_weights: bool = True,
+    w_needs_weights: bool = True, i_writes_grads: bool = False,
 ) -> Schedule:
     """p2p lowering, then (if `zero_stage` is given) data-parallel lowering."""
     lowered = add_p2p(schedule)
     if zero_stage is not None:
-        lowered = add_data_parallel(lowered, zero_stage, weight_buffers, grad_buffers, w_needs_weights)
+        lowered = add_data_parallel(lowered, zero_stage, weight_buffers, grad_buffers, w_needs_weights,
+                                    i_writes_grads)
     return lowered

@@ -213,7 +213,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                         why, why_t, wname = _DP, ready, f"GATHER{s}"
                 st.first_use_done.add(s)
                 # gradient buffer (ZeRO-2/3)
-                if op in (Op.B, Op.W) and zero is not None and zero >= 2 and s not in st.grad_resident:
+                if op in sched.grad_write_ops and zero is not None and zero >= 2 and s not in st.grad_resident:
                     st.grad_resident.add(s)
                     st.gbuf_free.sort()
                     free_t = st.gbuf_free.pop(0) if st.gbuf_free else 0.0
