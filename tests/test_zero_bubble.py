@@ -281,3 +281,33 @@ def test_pending_w_counts_only_its_gemm_operands():
     finally:
         ScheduleExecutor._do_I = do_i
         parallel.destroy_parallel()
+
+
+@pytest.mark.parametrize("batch_numel", [1, 1 << 30])
+def test_w_hands_weight_gradients_to_autograd_in_bounded_batches(monkeypatch, batch_numel):
+    """A W passes its deferred gradients to autograd in batches of at most W_BATCH_NUMEL elements (one engine
+    call for small layers; one weight at a time above the bound, as a fused backward materialises them): the
+    same gradients either way, a weight deferred twice gets the sum (its hook runs once per call carrying it)."""
+    import torch
+
+    from megatron_bfpp.runtime import split_backward as sb
+
+    monkeypatch.setattr(sb, "W_BATCH_NUMEL", batch_numel)
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5, 3))]
+    hook_calls = {id(w): 0 for w in weights}
+    for w in weights:
+        w.register_post_accumulate_grad_hook(lambda p: hook_calls.__setitem__(id(p), hook_calls[id(p)] + 1))
+    items = [sb.DeferredWeightGrad(weights[0], torch.randn(2, 4), torch.randn(2, 3)),
+             sb.DeferredWeightGrad(weights[1], torch.randn(2, 3), torch.randn(2, 5)),
+             sb.DeferredWeightGrad(weights[0], torch.randn(2, 4), torch.randn(2, 3))]
+    expected = [items[0].compute() + items[2].compute(), items[1].compute()]
+    calls: list[int] = []
+    backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda t, **kw: (calls.append(len(t)), backward(t, **kw)))
+    sb.backward_weight(sb.PendingWeightGrad([], deferred=items))
+    torch.testing.assert_close(weights[0].grad, expected[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(weights[1].grad, expected[1], rtol=1e-6, atol=1e-7)
+    assert items == []  # the W consumed its GEMMs
+    assert calls == ([1, 1, 1] if batch_numel == 1 else [3])
+    assert sorted(hook_calls.values()) == ([1, 2] if batch_numel == 1 else [1, 1])

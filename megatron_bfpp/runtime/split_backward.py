@@ -264,12 +264,24 @@ def backward_input(input_tensor: torch.Tensor | None, output: torch.Tensor, outp
     return dinputs[0], PendingWeightGrad(weights, param_groups=groups)
 
 
+# Largest number of weight-gradient elements a W hands to autograd in one call (see backward_weight).
+W_BATCH_NUMEL = 1 << 22
+
+
 def backward_weight(pending: PendingWeightGrad) -> None:
     """W: accumulate the weight gradients (hooks fire as in a fused backward)."""
     if pending.deferred is not None:
-        # One weight at a time: its gradient exists only until its hooks moved it into main_grad.
-        for item in pending.deferred:
-            torch.autograd.backward(item.weight, grad_tensors=item.compute())
+        # Gradients go to autograd in batches of up to W_BATCH_NUMEL elements: one engine call for small
+        # layers, where its fixed cost rivals the GEMMs, and one weight at a time for large ones, whose gradient
+        # then exists only until its hooks moved it into main_grad.
+        weights: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for k, item in enumerate(pending.deferred):
+            weights.append(item.weight)
+            grads.append(item.compute())
+            if k + 1 == len(pending.deferred) or sum(g.numel() for g in grads) >= W_BATCH_NUMEL:
+                torch.autograd.backward(weights, grad_tensors=grads)
+                weights, grads = [], []
         pending.deferred.clear()
         return
     if pending.param_groups is None:
