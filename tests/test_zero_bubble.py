@@ -311,3 +311,79 @@ def test_w_hands_weight_gradients_to_autograd_in_bounded_batches(monkeypatch, ba
     assert items == []  # the W consumed its GEMMs
     assert calls == ([1, 1, 1] if batch_numel == 1 else [3])
     assert sorted(hook_calls.values()) == ([1, 2] if batch_numel == 1 else [1, 1])
+
+
+def _wgrad_kernel_stand_in(calls: list):
+    """apex's fused_weight_gradient_mlp_cuda, on CPU: main_grad += grad_output^T @ input (2-D operands)."""
+    from types import SimpleNamespace
+
+    def accumulate(total_input, grad_output, main_grad):
+        calls.append(main_grad.shape)
+        main_grad.add_(grad_output.t().matmul(total_input).to(main_grad.dtype))
+
+    return SimpleNamespace(wgrad_gemm_accum_fp32=accumulate, wgrad_gemm_accum_fp16=accumulate)
+
+
+@pytest.mark.timeout(300)
+def test_split_backward_defers_linears_with_fused_gradient_accumulation(monkeypatch):
+    """Megatron-Core local linears with gradient-accumulation fusion (apex's kernel; a CPU stand-in here) defer
+    too: W runs the fused accumulation into main_grad, I none of it, and the sharded wrapper's gradients under
+    ZeRO-1/2/3 (2/3: the buffer taken at the first I) equal those of breadth-first's fused B, which runs
+    Megatron's own fused linear backward."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_bfpp import parallel
+    from megatron_bfpp.data import gpt_forward_step
+    from megatron_bfpp.model import build_model_chunks, make_transformer_config
+    from megatron_bfpp.runtime import get_forward_backward_func
+    from megatron_bfpp.runtime.executor import ScheduleExecutor
+    from megatron_bfpp.sharded import ShardedDataParallel
+    from tests.test_gpt_pipeline import SEQ, _batches
+
+    calls: list = []
+    monkeypatch.setattr(layers, "fused_weight_gradient_mlp_cuda", _wgrad_kernel_stand_in(calls), raising=False)
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
+    in_i: list[int] = []  # kernel calls made during the I's
+    do_i = ScheduleExecutor._do_I
+
+    def watched_i(self, a):
+        before = len(calls)
+        do_i(self, a)
+        in_i.append(len(calls) - before)
+
+    monkeypatch.setattr(ScheduleExecutor, "_do_I", watched_i)
+    parallel.init_single_process()
+    try:
+        grads = {}
+        for zero in (1, 2, 3):
+            for name in ("breadth-first", "interleaved-zb"):
+                config = make_transformer_config(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                                                 attention_dropout=0.0, gradient_accumulation_fusion=True)
+                modules = build_model_chunks(config, vocab_size=64, max_sequence_length=SEQ, pp_rank=0, pp_size=1,
+                                             vp_size=2, seed=3)
+                chunks = [ShardedDataParallel(config, DistributedDataParallelConfig(), m, zero_stage=zero,
+                                              shard_align=1, param_align=1) for m in modules]
+                for c in chunks:
+                    c.zero_grad_buffer()
+                calls.clear()
+                in_i.clear()
+                get_forward_backward_func(name)(
+                    forward_step_func=gpt_forward_step, data_iterator=[iter(_batches(3, 0)) for _ in chunks],
+                    model=chunks, num_microbatches=3, seq_length=SEQ, micro_batch_size=2)
+                for c in chunks:
+                    c.finish_grad_sync()
+                linears = sum(isinstance(m, (layers.ColumnParallelLinear, layers.RowParallelLinear))
+                              for c in modules for m in c.modules())
+                assert len(calls) == 3 * linears > 0, (zero, name)  # every linear fused, once per micro-batch
+                if name == "interleaved-zb":
+                    assert len(in_i) == 6 and sum(in_i) == 0, (zero, in_i)  # all of it at W
+                grads[(zero, name)] = [b.gbuf.main_grad_shard.clone() for c in chunks for b in c.flat_buffers]
+        for zero in (1, 2, 3):
+            for got, ref in zip(grads[(zero, "interleaved-zb")], grads[(zero, "breadth-first")]):
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=f"ZeRO-{zero}")
+            for got, ref in zip(grads[(zero, "breadth-first")], grads[(1, "breadth-first")]):
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=f"ZeRO-{zero}")
+    finally:
+        parallel.destroy_parallel()

@@ -17,9 +17,10 @@ Two ways to split, chosen per chunk by the runtime:
   from those intermediates down to the weights with `torch.autograd.backward(..., inputs=weights)`. Stage 0
   has no input tensor to differentiate: its I does nothing and its W is the whole backward.
 
-A linear defers without sequence parallelism, fused gradient accumulation or a deferred embedding wgrad (a
-column-parallel linear at T > 1 sums its input gradient over the tensor-parallel group at I, as Megatron's
-does). TransformerEngine layers built with `delay_wgrad_compute` (>= 2.3; the plugin's Megatron-LM install
+A linear defers without sequence parallelism or a deferred embedding wgrad (a column-parallel linear at T > 1
+sums its input gradient over the tensor-parallel group at I, as Megatron's does); with gradient-accumulation
+fusion its W accumulates into `main_grad` with Megatron's fused kernel and hands autograd a placeholder, as
+Megatron's linear does in its backward. TransformerEngine layers built with `delay_wgrad_compute` (>= 2.3; the plugin's Megatron-LM install
 builds them so for split schedules) queue their weight-gradient GEMMs themselves: W calls their
 `backward_dw()`, whose hooks reach the data-parallel wrapper, and a B on such a chunk calls it right after its
 backward. Any other layer (sequence parallelism, TransformerEngine without the delay) runs its backward whole at
@@ -47,10 +48,35 @@ class DeferredWeightGrad:
     weight: torch.nn.Parameter
     input: torch.Tensor
     output_grad: torch.Tensor
+    fused: bool = False  # gradient-accumulation fusion: accumulate into weight.main_grad, as Megatron's kernel
 
     def compute(self) -> torch.Tensor:
+        """The gradient autograd accumulates on the weight: the GEMM's result, or (fused) a placeholder after
+        the GEMM was accumulated into main_grad, as Megatron's fused linear returns one to fire the hooks."""
+        if self.fused:
+            return _accumulate_into_main_grad(self.weight, self.input, self.output_grad)
         g, x = self.output_grad, self.input
         return g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
+def _accumulate_into_main_grad(weight: torch.nn.Parameter, input: torch.Tensor,
+                               output_grad: torch.Tensor) -> torch.Tensor:
+    """Megatron's fused weight-gradient accumulation (its linear's backward, without sequence parallelism):
+    main_grad += output_grad^T @ input with apex's kernel, then a placeholder gradient (zeros where the wrapper
+    adds it anyway) and grad_added_to_main_grad, so the data-parallel hook does not add it again."""
+    from megatron.core.tensor_parallel import layers
+
+    grad_output, total_input = layers.prepare_input_tensors_for_wgrad_compute(output_grad, input)
+    main_grad = weight.main_grad
+    if main_grad.dtype == torch.float32:
+        layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+    elif main_grad.dtype in (torch.float16, torch.bfloat16):
+        layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16(total_input, grad_output, main_grad)
+    else:
+        raise RuntimeError(f"megatron_bfpp: gradient-accumulation fusion into a {main_grad.dtype} main_grad")
+    weight.grad_added_to_main_grad = True
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(main_grad.shape, dtype=input.dtype, device=main_grad.device)
 
 
 # While not None: linear forwards build deferring nodes, and their backwards append here. A module-level
@@ -71,11 +97,13 @@ def deferring_weight_grads() -> Iterator[list[DeferredWeightGrad]]:
 
 
 class _Ref:
-    """Carries the weight parameter through `Function.apply` without making it an autograd input (an input
-    would get an AccumulateGrad call, and its hooks would fire, with no gradient at I)."""
+    """Carries the weight parameter (and whether its gradient accumulation is fused) through `Function.apply`
+    without making it an autograd input (an input would get an AccumulateGrad call, and its hooks would fire,
+    with no gradient at I)."""
 
-    def __init__(self, param: torch.nn.Parameter) -> None:
+    def __init__(self, param: torch.nn.Parameter, fused: bool = False) -> None:
         self.param = param
+        self.fused = fused
 
 
 class _DeferredWeightGradLinear(torch.autograd.Function):
@@ -98,7 +126,7 @@ class _DeferredWeightGradLinear(torch.autograd.Function):
                 "megatron_bfpp: a linear layer built for a split backward (I/W) was differentiated outside an I; "
                 "its weight gradient would be lost. The schedule gives this micro-batch a B: report it as a bug."
             )
-        _deferred.append(DeferredWeightGrad(ctx.ref.param, input, grad_output))
+        _deferred.append(DeferredWeightGrad(ctx.ref.param, input, grad_output, ctx.ref.fused))
         grad_input = grad_output.matmul(weight)
         if ctx.dgrad_group is not None:
             torch.distributed.all_reduce(grad_input, group=ctx.dgrad_group)
@@ -111,17 +139,18 @@ def _plain_matmul_impl(original):
 
     def forward_impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                      sequence_parallel=False, grad_output_buffer=None, *args, **kwargs):
-        plain = (weight.requires_grad and not gradient_accumulation_fusion and not sequence_parallel
-                 and grad_output_buffer is None and not args and kwargs.get("gtp_remat_size", 1) == 1)
-        defer = plain and _deferred is not None and input.requires_grad and torch.is_grad_enabled()
-        if not plain or (allreduce_dgrad and not defer):
-            return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-                            grad_output_buffer, *args, **kwargs)
+        simple = (weight.requires_grad and not sequence_parallel and grad_output_buffer is None and not args
+                  and kwargs.get("gtp_remat_size", 1) == 1 and not hasattr(weight, "__fsdp_param__"))
+        defer = simple and _deferred is not None and input.requires_grad and torch.is_grad_enabled()
         if defer:
             group = _tensor_parallel_group(kwargs.get("tp_group")) if allreduce_dgrad else None
-            output = _DeferredWeightGradLinear.apply(input, weight.detach(), _Ref(weight), group)
-        else:
+            fused = bool(gradient_accumulation_fusion) and hasattr(weight, "main_grad")
+            output = _DeferredWeightGradLinear.apply(input, weight.detach(), _Ref(weight, fused), group)
+        elif simple and not gradient_accumulation_fusion and not allreduce_dgrad:
             output = torch.matmul(input, weight.t())  # the Function's forward, op for op
+        else:
+            return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                            grad_output_buffer, *args, **kwargs)
         return output + bias if bias is not None else output
 
     return forward_impl
@@ -212,7 +241,7 @@ def report_deferral(chunk: torch.nn.Module, deferred: int, label: str, show: boo
     chunk._bfpp_deferral_reported = True
     line = f"megatron_bfpp: {label}: {deferred} linear layers defer their weight GEMMs to W"
     if deferred < split_friendly_linears(chunk) + len(delayed_wgrad_modules(chunk)) or deferred == 0:
-        line += ("; layers with gradient-accumulation fusion, sequence parallelism or TransformerEngine without "
+        line += ("; layers with sequence parallelism or TransformerEngine without "
                  "delay_wgrad_compute run their whole backward at I")
     if deferred == 0:
         line += " (W has no work here: the split schedule cannot fill bubbles with it)"
@@ -278,7 +307,8 @@ def backward_weight(pending: PendingWeightGrad) -> None:
         grads: list[torch.Tensor] = []
         for k, item in enumerate(pending.deferred):
             weights.append(item.weight)
-            grads.append(item.compute())
+            with torch.no_grad():  # the operands are graph tensors: record nothing for this GEMM
+                grads.append(item.compute())
             if k + 1 == len(pending.deferred) or sum(g.numel() for g in grads) >= W_BATCH_NUMEL:
                 torch.autograd.backward(weights, grad_tensors=grads)
                 weights, grads = [], []
