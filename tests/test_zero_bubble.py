@@ -387,3 +387,63 @@ def test_split_backward_defers_linears_with_fused_gradient_accumulation(monkeypa
                 torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=f"ZeRO-{zero}")
     finally:
         parallel.destroy_parallel()
+
+
+def _sequence_parallel_worker(rank: int, world: int) -> bool:
+    """A column-parallel linear with sequence parallelism at T = world, deferred, against the same layer without
+    sequence parallelism on the gathered input (Megatron's own SP backward needs CUDA buffers)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    from megatron_bfpp import parallel
+    from megatron_bfpp.model import make_transformer_config
+    from megatron_bfpp.runtime.split_backward import (PendingWeightGrad, backward_weight, deferring_weight_grads,
+                                                       split_friendly_linears)
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    parallel.init_parallel(1, tensor_model_parallel_size=world, distributed_timeout_seconds=120)
+    try:
+        layers = {}
+        for sp in (False, True):
+            config = make_transformer_config(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                             tensor_model_parallel_size=world, sequence_parallel=sp)
+            layer = ColumnParallelLinear(16, 24, config=config, init_method=torch.nn.init.normal_, bias=True,
+                                         gather_output=False)
+            torch.manual_seed(5 + rank)  # each rank's partition of the weight differs; both layers agree
+            with torch.no_grad():
+                layer.weight.copy_(torch.randn(layer.weight.shape))
+                layer.bias.copy_(torch.randn(layer.bias.shape))
+            split_friendly_linears(layer)
+            layers[sp] = layer
+        gen = torch.Generator().manual_seed(0)
+        full = torch.randn(8, 2, 16, generator=gen)  # [s, b, h], the same on every rank
+        g = torch.randn(8, 2, 24 // world, generator=gen)
+        seq = slice(rank * 8 // world, (rank + 1) * 8 // world)
+
+        ref_in = full.clone().requires_grad_()
+        out, _ = layers[False](ref_in)
+        out.backward(g)
+
+        local = full[seq].clone().requires_grad_()
+        with deferring_weight_grads():
+            sp_out, _ = layers[True](local)
+        torch.testing.assert_close(sp_out, out.detach(), rtol=1e-6, atol=1e-6)
+        with deferring_weight_grads() as deferred:
+            sp_out.backward(g)
+        assert [d.weight for d in deferred] == [layers[True].weight] and layers[True].weight.grad is None
+        assert deferred[0].input.shape == full.shape  # the W keeps the gathered input
+        torch.testing.assert_close(local.grad, ref_in.grad[seq], rtol=1e-5, atol=1e-6)
+        backward_weight(PendingWeightGrad([], deferred=deferred))
+        for name in ("weight", "bias"):
+            torch.testing.assert_close(getattr(layers[True], name).grad, getattr(layers[False], name).grad,
+                                       rtol=1e-5, atol=1e-6)
+    finally:
+        parallel.destroy_parallel()
+    return True
+
+
+def test_split_backward_defers_sequence_parallel_linears():
+    """With sequence parallelism (T = 2) a column-parallel linear defers too: I gathers the sequence for its W and
+    reduce-scatters the input gradient; output, input gradient and weight gradients equal Megatron's."""
+    assert run_distributed(_sequence_parallel_worker, 2) == [True, True]

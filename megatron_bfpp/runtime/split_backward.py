@@ -17,14 +17,14 @@ Two ways to split, chosen per chunk by the runtime:
   from those intermediates down to the weights with `torch.autograd.backward(..., inputs=weights)`. Stage 0
   has no input tensor to differentiate: its I does nothing and its W is the whole backward.
 
-A linear defers without sequence parallelism or a deferred embedding wgrad (a column-parallel linear at T > 1
-sums its input gradient over the tensor-parallel group at I, as Megatron's does); with gradient-accumulation
-fusion its W accumulates into `main_grad` with Megatron's fused kernel and hands autograd a placeholder, as
-Megatron's linear does in its backward. TransformerEngine layers built with `delay_wgrad_compute` (>= 2.3; the plugin's Megatron-LM install
+A linear defers unless it defers its embedding wgrad itself (a column-parallel linear at T > 1 sums its input
+gradient over the tensor-parallel group at I, as Megatron's does; with sequence parallelism I gathers the
+input, which its W keeps, and reduce-scatters the input gradient); with gradient-accumulation fusion its W
+accumulates into `main_grad` with Megatron's fused kernel and hands autograd a placeholder, as Megatron's
+linear does in its backward. TransformerEngine layers built with `delay_wgrad_compute` (>= 2.3; the plugin's Megatron-LM install
 builds them so for split schedules) queue their weight-gradient GEMMs themselves: W calls their
 `backward_dw()`, whose hooks reach the data-parallel wrapper, and a B on such a chunk calls it right after its
-backward. Any other layer (sequence parallelism, TransformerEngine without the delay) runs its backward whole at
-I, once: Megatron-Core chunks never take the graph split, whose W would run such a layer's backward again.
+backward. Any other layer (TransformerEngine without the delay) runs its backward whole at I, once: Megatron-Core chunks never take the graph split, whose W would run such a layer's backward again.
 Loss scaling on the last stage follows Megatron's `backward_step`. Outputs of split schedules are not
 pseudo-deallocated (autograd checks their shapes), which keeps one output per pending I.
 """
@@ -106,17 +106,30 @@ class _Ref:
         self.fused = fused
 
 
+def _gather_sequence(local: torch.Tensor, group: Any, async_op: bool = False):
+    """The full sequence from each tensor-parallel rank's part (dim 0), in a tensor of its own (a W keeps it)."""
+    size = list(local.shape)
+    size[0] *= torch.distributed.get_world_size(group)
+    total = torch.empty(size, dtype=local.dtype, device=local.device)
+    handle = torch.distributed.all_gather_into_tensor(total, local.contiguous(), group=group, async_op=async_op)
+    return (total, handle) if async_op else total
+
+
 class _DeferredWeightGradLinear(torch.autograd.Function):
-    """y = x @ W^T whose backward returns dx and defers dW to W. With `dgrad_group` (a column-parallel linear
-    at T > 1 without sequence parallelism) dx is summed over the tensor-parallel group, as Megatron's linear
-    does in its backward."""
+    """y = x @ W^T whose backward returns dx and defers dW to W, as Megatron's linear computes them. With
+    `dgrad_group` (a column-parallel linear at T > 1) dx is summed over the tensor-parallel group; with
+    `sequence_group` (sequence parallelism) x is this rank's part of the sequence: the forward all-gathers it,
+    the backward gathers it again for the W to keep and reduce-scatters dx."""
 
     @staticmethod
-    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, ref: _Ref, dgrad_group: Any = None) -> torch.Tensor:
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, ref: _Ref, dgrad_group: Any = None,
+                sequence_group: Any = None) -> torch.Tensor:
         ctx.save_for_backward(input, weight)
         ctx.ref = ref
         ctx.dgrad_group = dgrad_group
-        return torch.matmul(input, weight.t())
+        ctx.sequence_group = sequence_group
+        total_input = input if sequence_group is None else _gather_sequence(input, sequence_group)
+        return torch.matmul(total_input, weight.t())
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -126,11 +139,21 @@ class _DeferredWeightGradLinear(torch.autograd.Function):
                 "megatron_bfpp: a linear layer built for a split backward (I/W) was differentiated outside an I; "
                 "its weight gradient would be lost. The schedule gives this micro-batch a B: report it as a bug."
             )
-        _deferred.append(DeferredWeightGrad(ctx.ref.param, input, grad_output, ctx.ref.fused))
+        group = ctx.sequence_group
+        if group is not None:  # the gather runs beside the input-gradient GEMM, as in Megatron's backward
+            total_input, gathered = _gather_sequence(input, group, async_op=True)
         grad_input = grad_output.matmul(weight)
+        if group is not None:
+            gathered.wait()
+            local = torch.empty_like(input)
+            torch.distributed.reduce_scatter_tensor(local, grad_input.contiguous(), group=group)
+            grad_input = local
+        else:
+            total_input = input
+        _deferred.append(DeferredWeightGrad(ctx.ref.param, total_input, grad_output, ctx.ref.fused))
         if ctx.dgrad_group is not None:
             torch.distributed.all_reduce(grad_input, group=ctx.dgrad_group)
-        return grad_input, None, None, None
+        return grad_input, None, None, None, None
 
 
 def _plain_matmul_impl(original):
@@ -139,14 +162,16 @@ def _plain_matmul_impl(original):
 
     def forward_impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                      sequence_parallel=False, grad_output_buffer=None, *args, **kwargs):
-        simple = (weight.requires_grad and not sequence_parallel and grad_output_buffer is None and not args
+        simple = (weight.requires_grad and grad_output_buffer is None and not args
                   and kwargs.get("gtp_remat_size", 1) == 1 and not hasattr(weight, "__fsdp_param__"))
         defer = simple and _deferred is not None and input.requires_grad and torch.is_grad_enabled()
         if defer:
-            group = _tensor_parallel_group(kwargs.get("tp_group")) if allreduce_dgrad else None
+            tp_group = _tensor_parallel_group(kwargs.get("tp_group")) if allreduce_dgrad or sequence_parallel else None
             fused = bool(gradient_accumulation_fusion) and hasattr(weight, "main_grad")
-            output = _DeferredWeightGradLinear.apply(input, weight.detach(), _Ref(weight, fused), group)
-        elif simple and not gradient_accumulation_fusion and not allreduce_dgrad:
+            output = _DeferredWeightGradLinear.apply(input, weight.detach(), _Ref(weight, fused),
+                                                     tp_group if allreduce_dgrad else None,
+                                                     tp_group if sequence_parallel else None)
+        elif simple and not gradient_accumulation_fusion and not allreduce_dgrad and not sequence_parallel:
             output = torch.matmul(input, weight.t())  # the Function's forward, op for op
         else:
             return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
@@ -241,8 +266,8 @@ def report_deferral(chunk: torch.nn.Module, deferred: int, label: str, show: boo
     chunk._bfpp_deferral_reported = True
     line = f"megatron_bfpp: {label}: {deferred} linear layers defer their weight GEMMs to W"
     if deferred < split_friendly_linears(chunk) + len(delayed_wgrad_modules(chunk)) or deferred == 0:
-        line += ("; layers with sequence parallelism or TransformerEngine without "
-                 "delay_wgrad_compute run their whole backward at I")
+        line += ("; layers that cannot defer (TransformerEngine without delay_wgrad_compute, Megatron's deferred "
+                 "embedding wgrad) run their whole backward at I")
     if deferred == 0:
         line += " (W has no work here: the split schedule cannot fill bubbles with it)"
     if show:

@@ -19,7 +19,7 @@ I = sbh(24h + 8s), W = 24sbh^2 (`GPTModel.layer_backward_flops`); the output lay
 a recomputed forward belongs to I (the input gradient cannot start without it). `Costs.input_grad_share`
 carries I / (I + W) per stage. Two other costs of a W: `Config.w_at_input_grad` models layers that cannot
 defer their weight GEMMs, as the runtime runs them on Megatron-Core chunks (TransformerEngine older than 2.3,
-local linears with sequence parallelism): I is the whole backward and W does nothing, so the split
+Megatron's own deferred embedding wgrad): I is the whole backward and W does nothing, so the split
 schedules are their order with B at the I's. `Config.w_reruns_input_grad` models a split on the autograd graph
 of layers that are one autograd Function (what the runtime does on chunks without Megatron-Core modules): W
 re-runs the node's whole backward, so the input-gradient GEMMs are paid twice.
