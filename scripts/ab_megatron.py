@@ -11,8 +11,9 @@ added with --add-variant NAME=stock|plugin:"FLAGS", e.g. later schedules):
   distributed optimizer and overlap flags (no --zero-stage): what the schedule buys;
 - plugin-bf-zero3: the launcher, --pipeline-schedule breadth-first --zero-stage 3: what the sharding adds;
 - plugin-izb-distopt, plugin-bfzb-zero3 (not in the default list): the split-backward schedules interleaved-zb
-  with Megatron's distributed optimizer and breadth-first-zb with ZeRO-3 (with gradient-accumulation fusion,
-  Megatron-LM's default, ZeRO-3 takes a stage's gradient buffer at its first I). Their W's move work only on layers
+  with Megatron's distributed optimizer and breadth-first-zb with ZeRO-3 (under gradient-accumulation fusion,
+  Megatron-LM's default, layers that cannot defer write main_grad at I, where ZeRO-3 then gives their stage its
+  gradient buffer). Their W's move work only on layers
   that defer their weight GEMMs (Megatron-Core's local linears) and on TransformerEngine layers built with delay_wgrad_compute (TransformerEngine >= 2.3,
   2.7 unfused); with an older TransformerEngine every W's work runs at its I, and these variants measure the
   split's overhead, not a gain (rank 0's log says how many linear layers deferred).

@@ -12,8 +12,8 @@
 #     virtual stages at P=1, so breadth-first needs P >= 2, i.e. two GPUs), against --pipeline-schedule default
 #     (Megatron's own schedule and DDP, same model, same initial values). The same with --pipeline-schedule
 #     zb-h1 --zero-stage 2 (split backward in Megatron-LM: with TransformerEngine >= 2.3 its layers are built with
-#     delay_wgrad_compute and their weight GEMMs run at W, fused into main_grad as Megatron-LM's default does,
-#     in the gradient buffer ZeRO-2 takes at the stage's first I).
+#     delay_wgrad_compute and their weight GEMMs run at W, fused into main_grad as Megatron-LM's default does;
+#     TransformerEngine binds main_grad at I, before ZeRO-2 gives the stage its gradient buffer at its first W).
 #  3. Per-op forward/backward times of one 52B-shaped layer (h=8192, 64 heads, s=2048, T=1) against the
 #     simulator's h200 profile.
 #  4. Summary: losses against the reference (bf16 tolerance: relative 5e-3 at iteration 1, 2e-2 at every

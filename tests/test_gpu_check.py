@@ -72,7 +72,7 @@ def test_dry_run_prints_every_command_and_runs_nothing(dry_run) -> None:
     assert len(plugin) == 1 and plugin[0][plugin[0].index("--zero-stage") + 1] == "3"
     assert any(c[c.index("--pipeline-schedule") + 1] == "default" for c in torchrun)
     # The split backward in Megatron-LM (TransformerEngine's delayed weight gradients where installed) with
-    # Megatron-LM's default gradient-accumulation fusion, which binds main_grad at I: ZeRO-2 takes it there.
+    # Megatron-LM's default gradient-accumulation fusion, which binds main_grad at I, under ZeRO-2.
     split = [c for c in torchrun if c[c.index("--pipeline-schedule") + 1] == "zb-h1"]
     assert len(split) == 1 and split[0][split[0].index("--zero-stage") + 1] == "2"
     assert "--no-gradient-accumulation-fusion" not in split[0]

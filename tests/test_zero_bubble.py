@@ -447,3 +447,25 @@ def test_split_backward_defers_sequence_parallel_linears():
     """With sequence parallelism (T = 2) a column-parallel linear defers too: I gathers the sequence for its W and
     reduce-scatters the input gradient; output, input gradient and weight gradients equal Megatron's."""
     assert run_distributed(_sequence_parallel_worker, 2) == [True, True]
+
+
+def test_which_chunks_write_main_grad_at_input_grad():
+    """ZeRO-2/3 take a stage's gradient buffer at its first I only where an I can write main_grad: gradient-
+    accumulation fusion on a layer that runs its backward whole at I (TransformerEngine without delayed weight
+    gradients, Megatron's own embedding-wgrad deferral); not for deferring or delaying layers, nor unfused."""
+    from types import SimpleNamespace
+
+    from megatron_bfpp.runtime.split_backward import writes_main_grad_at_input_grad
+    from tests import toy_pipeline as toy
+
+    cfg = toy.make_transformer_config()
+    fused, unfused = SimpleNamespace(gradient_accumulation_fusion=True), SimpleNamespace(gradient_accumulation_fusion=False)
+    whole_at_i = toy.SelfAccumulatingToyStage(cfg, 1, 2)  # carries fuse_wgrad_accumulation, no delay
+    delaying = toy.DelayedWgradToyStage(cfg, 1, 2, fuse_wgrad_accumulation=True)
+    plain = toy.ToyStage(cfg, 1, 2)
+    assert writes_main_grad_at_input_grad(whole_at_i, fused)
+    assert not writes_main_grad_at_input_grad(whole_at_i, unfused)
+    assert not writes_main_grad_at_input_grad(delaying, fused)
+    assert not writes_main_grad_at_input_grad(plain, fused)
+    assert writes_main_grad_at_input_grad(plain, SimpleNamespace(gradient_accumulation_fusion=True,
+                                                                 defer_embedding_wgrad_compute=True))

@@ -90,11 +90,13 @@ class _MegatronToyStage(MegatronModule):
 
 class SelfAccumulatingToyStage(_MegatronToyStage):
     """A toy stage whose linear accumulates its weight gradient into `main_grad` in its own backward (read the
-    weight's gradient there, the bias's in `.grad`)."""
+    weight's gradient there, the bias's in `.grad`), as a TransformerEngine module without delayed weight
+    gradients does; it carries TransformerEngine's `fuse_wgrad_accumulation` as they do."""
 
     def __init__(self, config, stage: int, num_stages: int, seed: int = 0):
         super().__init__(config, stage, num_stages, seed)
         self.linear.weight.main_grad = torch.zeros_like(self.linear.weight)
+        self.linear.fuse_wgrad_accumulation = True
 
     def _linear(self, inp):
         return _SelfAccumulatingLinear.apply(inp, self.linear.weight, self.linear.bias)

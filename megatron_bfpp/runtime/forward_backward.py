@@ -21,7 +21,7 @@ from .executor import PipelineError, ScheduleExecutor
 from .hooks import DataParallelDriver, MegatronConfigDriver
 from .p2p import PipelineP2P
 from .recorder import ActionRecorder
-from .split_backward import splits_by_deferral
+from .split_backward import splits_by_deferral, writes_main_grad_at_input_grad
 
 _state: dict[str, Any] = {"recorder": None, "wait_timeout_s": None, "last_schedule": None, "p2p": {},
                           "last_run": {}, "agreed": set()}
@@ -183,10 +183,9 @@ def get_forward_backward_func(
         # them after the stage's last I); on chunks split on the autograd graph it may read them.
         w_needs_weights = not (pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
                                and all(splits_by_deferral(c) for c in chunks))
-        # Fused accumulation adds weight gradients into main_grad inside the I's backward (TransformerEngine binds
-        # main_grad there even when it delays the GEMM to W): ZeRO-2/3 must hold the buffer from the first I.
+        # Layers that run a fused backward whole at I write main_grad there: ZeRO-2/3 hold the buffer from the I.
         i_writes_grads = (pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
-                          and bool(getattr(config, "gradient_accumulation_fusion", False)))
+                          and any(writes_main_grad_at_input_grad(c, config) for c in chunks))
         schedule = _cached_schedule(pipeline_schedule, pp, vp, num_microbatches, group, zero_for_schedule,
                                     bool(forward_only), weight_buffers, grad_buffers, w_needs_weights, i_writes_grads)
         _state["last_schedule"] = schedule

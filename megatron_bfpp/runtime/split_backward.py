@@ -236,6 +236,22 @@ def delayed_wgrad_modules(chunk: torch.nn.Module) -> list[torch.nn.Module]:
     return chunk._bfpp_delayed_wgrad
 
 
+def writes_main_grad_at_input_grad(chunk: torch.nn.Module, config: Any) -> bool:
+    """Whether an I on this chunk can write `main_grad` (ZeRO-2/3 must then give the stage its gradient buffer at
+    its first I): with gradient-accumulation fusion, layers that run their fused backward whole at I, i.e.
+    TransformerEngine modules (they carry `fuse_wgrad_accumulation`) that do not delay their weight GEMMs, and
+    local linears that cannot defer (Megatron's own embedding-wgrad deferral, GTP-sharded weights). Deferring
+    local linears and delaying TransformerEngine modules write at W (TransformerEngine binds `main_grad` at I,
+    which stays valid: ZeRO-2/3 free and re-allocate a gradient buffer's storage in place)."""
+    if not getattr(config, "gradient_accumulation_fusion", False):
+        return False
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        return True
+    delaying = {id(m) for m in delayed_wgrad_modules(chunk)}
+    return any((getattr(m, "fuse_wgrad_accumulation", False) and id(m) not in delaying)
+               or getattr(m, "gtp_remat_size", 1) > 1 for m in chunk.modules())
+
+
 def run_delayed_wgrads(modules: list[torch.nn.Module]) -> None:
     """The oldest queued weight-gradient GEMMs of each module; their hooks hand the results to the data-parallel
     wrapper (Megatron's DDP with delay_wgrad_compute, or the sharded wrapper)."""

@@ -48,7 +48,7 @@ def weight_ops(w_needs_weights: bool) -> frozenset[Op]:
 
 def grad_write_ops(i_writes_grads: bool) -> frozenset[Op]:
     """Compute ops that write their stage's gradient buffer: B and W, and I as well when layers accumulate
-    into main_grad inside the input-gradient backward (gradient-accumulation fusion binds it there)."""
+    into main_grad inside the input-gradient backward (fused accumulation in layers that cannot defer)."""
     return frozenset({Op.B, Op.I, Op.W}) if i_writes_grads else frozenset({Op.B, Op.W})
 
 

@@ -329,19 +329,22 @@ class ShardedDataParallel(DistributedDataParallel):
         def hook(p: torch.nn.Parameter) -> None:
             if p.grad is None:
                 return
+            layer_added = p.grad_added_to_main_grad and not getattr(p, "zero_out_wgrad", False)
             if bucket is not None and not bucket.grad_ready and self.holding_grads_for_w:
                 # An I (split backward) computing the gradients it does not defer (norms, biases, the
                 # embedding): they wait beside the parameter, accumulated in the buffer's dtype as main_grad
-                # would, and the stage's gradient buffer is taken only by its W.
-                g = p.grad.to(bucket.gbuf.dtype)
-                waiting = bucket.waiting.get(p)
-                bucket.waiting[p] = g if waiting is None else waiting.add_(g)
+                # would, and the stage's gradient buffer is taken only by its W. A placeholder from a layer
+                # that accumulates into main_grad itself (at its W) carries nothing.
+                if not layer_added:
+                    g = p.grad.to(bucket.gbuf.dtype)
+                    waiting = bucket.waiting.get(p)
+                    bucket.waiting[p] = g if waiting is None else waiting.add_(g)
                 p.grad = None
                 return
             if bucket is not None:
                 self._prepare_grad_buffer(bucket)  # no-op when before_backward already did it
                 bucket.grads_unreduced = True
-            if not p.grad_added_to_main_grad or getattr(p, "zero_out_wgrad", False):
+            if not layer_added:
                 p.main_grad.add_(p.grad)
             p.grad = None
 

@@ -63,10 +63,10 @@ def check_config(model: GPTModel, hw: Hardware, cfg: Config) -> None:
 @functools.lru_cache(maxsize=512)
 def cached_schedule(name: str, pp: int, vp: int, microbatches: int, group_size: int | None,
                     lowering_zero: int | None, weight_buffers: int = 2, grad_buffers: int = 2,
-                    check: bool = False, w_needs_weights: bool = True) -> Schedule:
+                    check: bool = False, w_needs_weights: bool = True, i_writes_grads: bool = False) -> Schedule:
     """The lowered schedule (shared by every configuration with the same pipeline shape)."""
     sched = lower(built_schedule(name, pp, vp, microbatches, group_size), lowering_zero, weight_buffers, grad_buffers,
-                  w_needs_weights)
+                  w_needs_weights, i_writes_grads)
     if check:
         validate(sched)
     return sched
@@ -77,8 +77,11 @@ def schedule_for(cfg: Config, check: bool = False) -> Schedule:
     lowering_zero = max(cfg.zero_stage, 1)  # ZeRO-0 reduces (all-reduces) where ZeRO-1 reduce-scatters
     # A W of weight-gradient GEMMs alone reads kept activations, not weights (as the runtime's deferred W).
     w_needs_weights = not cfg.split_backward or cfg.w_reruns_input_grad
+    # Layers that cannot defer run their backward whole at I, with GPU's default gradient-accumulation fusion
+    # into main_grad: ZeRO-2/3 then hold a stage's gradient buffer from its first I, as the runtime does.
+    i_writes_grads = cfg.split_backward and cfg.w_at_input_grad
     return cached_schedule(cfg.schedule, cfg.pp, cfg.vp, cfg.microbatches, g, lowering_zero,
-                           cfg.weight_buffers, cfg.grad_buffers, check, w_needs_weights)
+                           cfg.weight_buffers, cfg.grad_buffers, check, w_needs_weights, i_writes_grads)
 
 
 @dataclass
