@@ -7,10 +7,10 @@ Two ways to split, chosen per chunk by the runtime:
   computes only the input gradient and leaves (weight, input, output gradient) in the list that context
   yields. I is then Megatron's own `backward_step` run under that context: every other gradient (norms,
   biases, embeddings, layers that cannot defer) is computed and accumulated there, as in a fused backward,
-  and no work is done twice. W computes the deferred weight GEMMs and hands each result to autograd on the
-  weight itself, so its grad-accumulation hooks fire and Megatron's DDP and the sharded wrapper add it into
-  `main_grad` exactly as for a B. This is the scheme of TransformerEngine's delayed weight gradients, and it
-  costs one extra autograd call per weight, not a second graph traversal.
+  and no work is done twice. W computes the deferred weight GEMMs and hands the results to autograd on the
+  weights themselves, so their grad-accumulation hooks fire and Megatron's DDP and the sharded wrapper add
+  them into `main_grad` exactly as for a B. This is the scheme of TransformerEngine's delayed weight
+  gradients, and it costs an autograd call per W (per weight for large ones), not a second graph traversal.
 - Model-agnostic, on the autograd graph (chunks without Megatron-Core modules), with PyTorch pipelining's
   `stage_backward_input`: I computes the input gradient with the graph kept and records, per group of
   weights, the gradients flowing into the intermediate nodes they depend on; W runs the rest of the graph
@@ -21,10 +21,11 @@ A linear defers unless it defers its embedding wgrad itself (a column-parallel l
 gradient over the tensor-parallel group at I, as Megatron's does; with sequence parallelism I gathers the
 input, which its W keeps, and reduce-scatters the input gradient); with gradient-accumulation fusion its W
 accumulates into `main_grad` with Megatron's fused kernel and hands autograd a placeholder, as Megatron's
-linear does in its backward. TransformerEngine layers built with `delay_wgrad_compute` (>= 2.3; the plugin's Megatron-LM install
-builds them so for split schedules) queue their weight-gradient GEMMs themselves: W calls their
-`backward_dw()`, whose hooks reach the data-parallel wrapper, and a B on such a chunk calls it right after its
-backward. Any other layer (TransformerEngine without the delay) runs its backward whole at I, once: Megatron-Core chunks never take the graph split, whose W would run such a layer's backward again.
+linear does in its backward. TransformerEngine layers built with `delay_wgrad_compute` (>= 2.3; the plugin's
+Megatron-LM install builds them so for split schedules) queue their weight-gradient GEMMs themselves: W calls
+their `backward_dw()`, whose hooks reach the data-parallel wrapper, and a B on such a chunk calls it right
+after its backward. Any other layer (TransformerEngine without the delay) runs its backward whole at I, once:
+Megatron-Core chunks never take the graph split, whose W would run such a layer's backward again.
 Loss scaling on the last stage follows Megatron's `backward_step`. Outputs of split schedules are not
 pseudo-deallocated (autograd checks their shapes), which keeps one output per pending I.
 """
@@ -61,8 +62,8 @@ class DeferredWeightGrad:
 
 def _accumulate_into_main_grad(weight: torch.nn.Parameter, input: torch.Tensor,
                                output_grad: torch.Tensor) -> torch.Tensor:
-    """Megatron's fused weight-gradient accumulation (its linear's backward, without sequence parallelism):
-    main_grad += output_grad^T @ input with apex's kernel, then a placeholder gradient (zeros where the wrapper
+    """Megatron's fused weight-gradient accumulation, as in its linear's backward: main_grad += output_grad^T @
+    input (the gathered sequence under sequence parallelism) with apex's kernel, then a placeholder gradient (zeros where the wrapper
     adds it anyway) and grad_added_to_main_grad, so the data-parallel hook does not add it again."""
     from megatron.core.tensor_parallel import layers
 

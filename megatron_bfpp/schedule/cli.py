@@ -26,9 +26,9 @@ def parser() -> argparse.ArgumentParser:
                    help="no: a W computes weight gradients from kept activations alone, so ZeRO-3 may release a "
                         "stage's weights after its last F/B/I (the runtime on Megatron-Core's local linears)")
     p.add_argument("--i-writes-grads", choices=("yes", "no"), default="no",
-                   help="yes: an I writes its stage's gradient buffer (layers with gradient-accumulation fusion that run "
-                        "their backward whole at I), so ZeRO-2/3 "
-                        "hold a stage's gradient buffer from its first I instead of its first W")
+                   help="yes: an I writes its stage's gradient buffer (layers with gradient-accumulation fusion that "
+                        "run their backward whole at I), so ZeRO-2/3 hold a stage's gradient buffer from its first I "
+                        "instead of its first W")
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--lowered", action="store_true", help="include p2p (and data-parallel) actions")
     p.add_argument("--format", choices=("text", "json", "csv"), default="text")
