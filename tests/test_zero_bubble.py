@@ -469,3 +469,30 @@ def test_which_chunks_write_main_grad_at_input_grad():
     assert not writes_main_grad_at_input_grad(plain, fused)
     assert writes_main_grad_at_input_grad(plain, SimpleNamespace(gradient_accumulation_fusion=True,
                                                                  defer_embedding_wgrad_compute=True))
+
+
+def test_deferral_report_counts_each_weight_gemm_of_a_delaying_module():
+    """A TransformerEngine module with two weight GEMMs (LayerNormMLP's fc1 and fc2, its `weight_names`) counts
+    as two linear layers in rank 0's note, so a chunk whose every GEMM defers is not reported as partial."""
+    import torch
+
+    from megatron_bfpp.runtime.split_backward import delayed_linears, report_deferral
+
+    class Mlp(torch.nn.Module):  # TransformerEngine's surface: queued GEMMs, weight_names
+        weight_names = ["fc1_weight", "fc2_weight"]
+
+        def need_backward_dw(self) -> bool:
+            return True
+
+        def backward_dw(self) -> None:
+            pass
+
+    class Chunk(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = Mlp()
+
+    assert delayed_linears([Mlp(), torch.nn.Module()]) == 3
+    assert report_deferral(Chunk(), 2, "c", show=False) == "megatron_bfpp: c: 2 linear layers defer their weight GEMMs to W"
+    partial = report_deferral(Chunk(), 1, "c", show=False)
+    assert partial is not None and "cannot defer" in partial

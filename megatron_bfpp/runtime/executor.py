@@ -25,8 +25,8 @@ from .hooks import DataParallelDriver
 from .p2p import PendingTransfer, PipelineP2P
 from .recorder import ActionRecorder
 from .split_backward import (PendingWeightGrad, backward_input, backward_weight, deferring_weight_grads,
-                             delayed_wgrad_modules, kept_bytes, report_deferral, run_delayed_wgrads,
-                             splits_by_deferral)
+                             delayed_linears, delayed_wgrad_modules, kept_bytes, report_deferral,
+                             run_delayed_wgrads, splits_by_deferral)
 
 
 # Megatron-Core before 0.17 (e.g. the one in Megatron-LM core_v0.16.1) takes the model type before the config.
@@ -360,7 +360,7 @@ class ScheduleExecutor:
                 self.activation_bytes -= self.saved_bytes.pop((s, m), 0)
                 self.saved_bytes[(s, m)] = kept_bytes(pending.deferred)
                 self.activation_bytes += self.saved_bytes[(s, m)]
-            report_deferral(self.model[chunk], len(pending.deferred) + len(self.delayed_wgrads[chunk]),
+            report_deferral(self.model[chunk], len(pending.deferred) + delayed_linears(self.delayed_wgrads[chunk]),
                             f"{self.schedule.name}, model chunk {chunk}", show=self.global_rank == 0)
         self.pending_weight_grads[(s, m)] = pending
         if s > 0:

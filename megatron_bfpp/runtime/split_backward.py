@@ -253,6 +253,12 @@ def writes_main_grad_at_input_grad(chunk: torch.nn.Module, config: Any) -> bool:
                or getattr(m, "gtp_remat_size", 1) > 1 for m in chunk.modules())
 
 
+def delayed_linears(modules: list[torch.nn.Module]) -> int:
+    """How many linear layers (weight GEMMs) the delaying modules hold: one per name in TransformerEngine's
+    `weight_names` (LayerNormMLP has two), one for a module without it."""
+    return sum(len(getattr(m, "weight_names", None) or (None,)) for m in modules)
+
+
 def run_delayed_wgrads(modules: list[torch.nn.Module]) -> None:
     """The oldest queued weight-gradient GEMMs of each module; their hooks hand the results to the data-parallel
     wrapper (Megatron's DDP with delay_wgrad_compute, or the sharded wrapper)."""
@@ -282,7 +288,7 @@ def report_deferral(chunk: torch.nn.Module, deferred: int, label: str, show: boo
         return None
     chunk._bfpp_deferral_reported = True
     line = f"megatron_bfpp: {label}: {deferred} linear layers defer their weight GEMMs to W"
-    if deferred < split_friendly_linears(chunk) + len(delayed_wgrad_modules(chunk)) or deferred == 0:
+    if deferred < split_friendly_linears(chunk) + delayed_linears(delayed_wgrad_modules(chunk)) or deferred == 0:
         line += ("; layers that cannot defer (TransformerEngine without delay_wgrad_compute, Megatron's deferred "
                  "embedding wgrad) run their whole backward at I")
     if deferred == 0:
