@@ -63,8 +63,9 @@ class DeferredWeightGrad:
 def _accumulate_into_main_grad(weight: torch.nn.Parameter, input: torch.Tensor,
                                output_grad: torch.Tensor) -> torch.Tensor:
     """Megatron's fused weight-gradient accumulation, as in its linear's backward: main_grad += output_grad^T @
-    input (the gathered sequence under sequence parallelism) with apex's kernel, then a placeholder gradient (zeros where the wrapper
-    adds it anyway) and grad_added_to_main_grad, so the data-parallel hook does not add it again."""
+    input (the gathered sequence under sequence parallelism) with apex's kernel, then a placeholder gradient
+    (zeros where the wrapper adds it anyway) and grad_added_to_main_grad, so the data-parallel hook does not
+    add it again."""
     from megatron.core.tensor_parallel import layers
 
     grad_output, total_input = layers.prepare_input_tensors_for_wgrad_compute(output_grad, input)
@@ -141,16 +142,13 @@ class _DeferredWeightGradLinear(torch.autograd.Function):
                 "its weight gradient would be lost. The schedule gives this micro-batch a B: report it as a bug."
             )
         group = ctx.sequence_group
-        if group is not None:  # the gather runs beside the input-gradient GEMM, as in Megatron's backward
-            total_input, gathered = _gather_sequence(input, group, async_op=True)
-        grad_input = grad_output.matmul(weight)
+        total_input, gathered = (input, None) if group is None else _gather_sequence(input, group, async_op=True)
+        grad_input = grad_output.matmul(weight)  # beside the gather, as in Megatron's backward
         if group is not None:
             gathered.wait()
             local = torch.empty_like(input)
             torch.distributed.reduce_scatter_tensor(local, grad_input.contiguous(), group=group)
             grad_input = local
-        else:
-            total_input = input
         _deferred.append(DeferredWeightGrad(ctx.ref.param, total_input, grad_output, ctx.ref.fused))
         if ctx.dgrad_group is not None:
             torch.distributed.all_reduce(grad_input, group=ctx.dgrad_group)
@@ -218,7 +216,8 @@ def _delays_wgrad(module: torch.nn.Module) -> bool:
     if callable(need):
         return bool(need())
     store = getattr(module, "wgrad_store", None)  # TransformerEngine releases without need_backward_dw
-    return store is not None and callable(getattr(store, "delay_wgrad_compute", None)) and bool(store.delay_wgrad_compute())
+    return (store is not None and callable(getattr(store, "delay_wgrad_compute", None))
+            and bool(store.delay_wgrad_compute()))
 
 
 def delayed_wgrad_modules(chunk: torch.nn.Module) -> list[torch.nn.Module]:
@@ -248,9 +247,11 @@ def writes_main_grad_at_input_grad(chunk: torch.nn.Module, config: Any) -> bool:
         return False
     if getattr(config, "defer_embedding_wgrad_compute", False):
         return True
-    delaying = {id(m) for m in delayed_wgrad_modules(chunk)}
-    return any((getattr(m, "fuse_wgrad_accumulation", False) and id(m) not in delaying)
-               or getattr(m, "gtp_remat_size", 1) > 1 for m in chunk.modules())
+    if not hasattr(chunk, "_bfpp_fused_backward_at_i"):  # decided once per chunk (the runtime asks every step)
+        delaying = {id(m) for m in delayed_wgrad_modules(chunk)}
+        chunk._bfpp_fused_backward_at_i = any((getattr(m, "fuse_wgrad_accumulation", False) and id(m) not in delaying)
+                                              or getattr(m, "gtp_remat_size", 1) > 1 for m in chunk.modules())
+    return chunk._bfpp_fused_backward_at_i
 
 
 def delayed_linears(modules: list[torch.nn.Module]) -> int:
@@ -353,13 +354,15 @@ def backward_weight(pending: PendingWeightGrad) -> None:
         # then exists only until its hooks moved it into main_grad.
         weights: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
+        numel = 0
         for k, item in enumerate(pending.deferred):
             weights.append(item.weight)
             with torch.no_grad():  # the operands are graph tensors: record nothing for this GEMM
                 grads.append(item.compute())
-            if k + 1 == len(pending.deferred) or sum(g.numel() for g in grads) >= W_BATCH_NUMEL:
+            numel += grads[-1].numel()
+            if k + 1 == len(pending.deferred) or numel >= W_BATCH_NUMEL:
                 torch.autograd.backward(weights, grad_tensors=grads)
-                weights, grads = [], []
+                weights, grads, numel = [], [], 0
         pending.deferred.clear()
         return
     if pending.param_groups is None:

@@ -388,7 +388,7 @@ def check_reduce(schedule: Schedule) -> None:
         return
     for r, acts in enumerate(schedule.ranks):
         for s in schedule.stages_of(r):
-            last_b = max(i for i, a in enumerate(acts) if a.op in (Op.B, Op.W) and a.stage == s)
+            last_b = max(i for i, a in enumerate(acts) if a.op in schedule.grad_write_ops and a.stage == s)
             reduces = [i for i, a in enumerate(acts) if a.op == Op.REDUCE and a.stage == s]
             if not reduces or reduces[-1] < last_b:
                 raise ScheduleError(f"rank {r}: stage {s} has no REDUCE after its last backward (step {last_b})")
