@@ -284,6 +284,37 @@ def test_zero_bubble_matches_stock(mlm: Runner, schedule: str, zero: str | None)
     assert_same_training(run, stock_ref(mlm))
 
 
+# Uneven pipeline stages, as Megatron-LM builds them: standalone embedding and loss stages of a layout, stages
+# counting the embedding and the loss as layers, a first pipeline stage with fewer layers. Stage sizes differ,
+# so ZeRO's weight and gradient buffers (sized per stage) and the split backward of a stage holding only the
+# embedding (nothing to differentiate but its weight) or only the loss are exercised.
+UNEVEN = {
+    "layout": (4, ["--pipeline-model-parallel-layout", "E|tt|tt|L"], "interleaved-zb", "3"),
+    "account-for-embedding-and-loss": (6, ["--num-virtual-stages-per-pipeline-rank", "2",
+                                           "--account-for-embedding-in-pipeline-split",
+                                           "--account-for-loss-in-pipeline-split"], "breadth-first", "3"),
+    "first-stage-fewer-layers": (6, ["--num-virtual-stages-per-pipeline-rank", "2",
+                                     "--decoder-first-pipeline-num-layers", "2"], "breadth-first-zb", "2"),
+}
+
+
+@needs_checkout
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(UNEVEN))
+def test_uneven_stages_match_stock(mlm: Runner, case: str) -> None:
+    """P = 2 with stages of unequal sizes == stock interleaved 1F1B on the same layout."""
+    num_layers, layout, schedule, zero = UNEVEN[case]
+    tiny = list(TINY)
+    tiny[tiny.index("--num-layers") + 1] = str(num_layers)
+    args = tiny + ["--pipeline-model-parallel-size", "2", *layout]
+    ref = mlm.run("stock", args)
+    assert ref.iterations() == [1, 2, 3, 4], _tail(ref.output)
+    run = mlm.run("patched", args + ["--pipeline-schedule", schedule, "--zero-stage", zero])
+    assert f"megatron_bfpp: installed pipeline schedule {schedule}" in run.output
+    assert_same_training(run, ref)
+    assert_same_validation(run, ref)
+
+
 @needs_checkout
 @pytest.mark.timeout(600)
 def test_launcher_unpatched_checkout_zero3_matches_stock(mlm: Runner) -> None:
