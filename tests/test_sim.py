@@ -121,6 +121,28 @@ def test_time_accounting_sums_to_step_time(kw):
         assert min(r.bubble_s[i], r.exposed_pp_s[i], r.exposed_dp_s[i]) >= -1e-12
 
 
+@pytest.mark.parametrize("schedule,vp", [("interleaved-1f1b", 4), ("breadth-first", 4), ("1f1b", 1)])
+def test_gradient_reduce_starts_after_the_stage_backward(schedule, vp):
+    """ZeRO-1 with several layers per stage: a stage's REDUCE starts once its last backward ended (Megatron's
+    default --align-grad-reduce and the runtime's REDUCE), except on the first stage of Megatron's 1F1B, whose
+    buckets go out during its last backward."""
+    cfg = _cfg(schedule=schedule, vp=vp, zero_stage=1, group_size=None)
+    part = Partition(GPT52, cfg.tp, cfg.pp, cfg.vp)
+    assert part.layers_per_stage > 1
+    r = simulate_schedule(schedule_for(cfg), analytic_costs(A100, part, cfg))
+    last_backward = {}
+    for e in r.events:
+        if e.op == "B":
+            last_backward[e.stage] = max(last_backward.get(e.stage, 0.0), e.end)
+    reduces = {e.stage: e for e in r.events if e.op == "REDUCE"}
+    assert set(reduces) == set(last_backward)
+    for s, e in reduces.items():
+        if schedule == "1f1b" and s == 0:
+            assert e.start < last_backward[s] - 1e-9, "1F1B's first stage reduces bucket by bucket"
+        else:
+            assert e.start >= last_backward[s] - 1e-12, f"stage {s}: REDUCE before its last backward ended"
+
+
 def test_dependencies_respected():
     """A receive's consumer starts after the matching transfer ends; compute needs its stage gathered (ZeRO-3);
     each rank's compute stream never overlaps itself."""

@@ -341,11 +341,14 @@ def analytic_costs(hw: Hardware, part: Partition, cfg: Config) -> Costs:
         kind = "all_reduce" if cfg.zero_stage == 0 else "reduce_scatter"
         red.append(ring_time(hw, GRAD_BYTES * params, n_in, n_out, kind))
         sync.append(gather if cfg.zero_stage in (1, 2) else 0.0)
-        # Megatron's DDP / distributed optimizer (ZeRO-0/1) communicate in buckets as layers finish (about one
-        # bucket per layer at these sizes); the sharded runtime (ZeRO-2/3) moves a stage's flat buffer at once.
-        buckets = st.layers if cfg.zero_stage <= 1 else 1
-        rb.append(buckets)
-        sbk.append(buckets)
+        # Gradients: a stage's reduction starts after its last backward, all buckets at once: Megatron's default
+        # (--align-grad-reduce: each chunk's start_grad_sync after its last backward) and the plugin's REDUCE.
+        # Only Megatron's non-interleaved 1F1B lets the first pipeline stage's buckets go as its last backward
+        # produces them (about one bucket per layer at these sizes).
+        rb.append(st.layers if cfg.zero_stage <= 1 and cfg.vp == 1 and s == 0 else 1)
+        # Parameters (ZeRO-0/1, Megatron's overlapped gather): a chunk's first forward waits bucket by bucket;
+        # the sharded runtime (ZeRO-2/3) gathers a stage's flat buffer at once.
+        sbk.append(st.layers if cfg.zero_stage <= 1 else 1)
     opt = []
     for r in range(pp):
         phi = part.rank_params(r)

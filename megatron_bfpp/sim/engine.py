@@ -13,7 +13,8 @@ Each pipeline rank runs its action list in order on three streams:
 - dp: GATHER / REDUCE collectives in list order. A GATHER needs a free weight buffer (freed at the RELEASE of
   its previous stage, once that stage's last compute ended). A REDUCE starts after the stage's last backward;
   with `reduce_buckets` > 1 it starts after the first bucket's share of that backward and ends no earlier than
-  one bucket after it (bucketed gradient reduction overlapping the backward). With `dp_overlap` off
+  one bucket after it (bucketed gradient reduction overlapping the backward: Megatron's 1F1B on its first
+  stage). With `dp_overlap` off
   (Megatron-LM 2022) every collective holds the compute stream, and ZeRO-0/1 gradient reductions run after
   the last backward of the rank, as Megatron did then.
 End of step: all ranks meet after their compute and outstanding REDUCEs (the optimizer needs every gradient
