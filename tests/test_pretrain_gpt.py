@@ -508,7 +508,7 @@ def _plugin_run_016(mlm016: Runner, mode: str, args: list[str]) -> Run:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", ["v016-1f1b-zero3", "v016-bf-zero3-launch"])
+@pytest.mark.parametrize("case", ["v016-1f1b-zero3", "v016-bf-zero3-launch", "v016-interleaved-zb-zero2"])
 def test_core_v0_16_1_matches_reference(mlm016: Runner, case: str) -> None:
     """The comparison, smaller, on Megatron-LM core_v0.16.1 (its own megatron package, Python 3.12).
 
@@ -517,15 +517,22 @@ def test_core_v0_16_1_matches_reference(mlm016: Runner, case: str) -> None:
       interleaved-1f1b at the same layout (patched script). Stock 0.16.1 interleaving is no reference on gloo:
       at P = 2 its forward and backward p2p between the same two ranks can pair out of order (NaN or changing
       losses from run to run here); 0.19 fixed it, and there the plugin's interleaved-1f1b equals stock.
+    - v016-interleaved-zb-zero2: the split backward (0.16.1's linear layers deferring their weight GEMMs) with
+      ZeRO-2, against the same reference.
     """
     if case == "v016-1f1b-zero3":
         p2 = ["--pipeline-model-parallel-size", "2"]
         run = _plugin_run_016(mlm016, "patched", TINY + p2 + ["--pipeline-schedule", "1f1b", "--zero-stage", "3"])
         ref = mlm016.run("stock", TINY + p2)
-    else:
+    elif case == "v016-bf-zero3-launch":
         ref = _plugin_run_016(mlm016, "patched", TINY + P2V2 + ["--pipeline-schedule", "interleaved-1f1b"])
         run = _plugin_run_016(mlm016, "launch", TINY + P2V2 + ["--pipeline-schedule", "breadth-first",
                                                                "--zero-stage", "3"])
+    else:
+        ref = _plugin_run_016(mlm016, "patched", TINY + P2V2 + ["--pipeline-schedule", "interleaved-1f1b"])
+        run = _plugin_run_016(mlm016, "patched", TINY + P2V2 + ["--pipeline-schedule", "interleaved-zb",
+                                                                "--zero-stage", "2"])
+        assert "4 linear layers defer their weight GEMMs to W" in run.output, _tail(run.output)
     assert ref.iterations() == [1, 2, 3, 4], _tail(ref.output)
     assert_same_training(run, ref)
     assert_same_validation(run, ref)
