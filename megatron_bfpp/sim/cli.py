@@ -9,7 +9,7 @@ import sys
 from ..schedule import SCHEDULE_NAMES
 from .costs import Config
 from .hardware import PROFILES, get_hardware
-from .model import MODELS, GPTModel, get_model
+from .model import MODELS, GPTModel, StageSplit, get_model
 from .planner import ZERO_STAGES, SearchSpace, plan
 from .predict import predict
 
@@ -38,6 +38,15 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "backward runs at I (layers that cannot defer, e.g. TransformerEngine < 2.3), rerun-dgrad = "
                         "the fused linear nodes' whole backward again (a split on the autograd graph of "
                         "one-Function layers)")
+    p.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="Megatron-LM's uneven split: layers on the first pipeline rank (all its virtual stages)")
+    p.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="Megatron-LM's uneven split: layers on the last pipeline rank")
+    p.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="Megatron-LM's split counting the embedding as a layer (the first stage holds one less)")
+    p.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="Megatron-LM's split counting the output layer and loss as a layer (the last stage holds "
+                        "one less)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -49,6 +58,8 @@ def simulate_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="P (default 1)")
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="layers per stage L; V = layers / (P * L) stages per rank (default: V = 1)")
+    p.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="V directly (what an uneven split needs)")
     p.add_argument("--pipeline-schedule", choices=SCHEDULE_NAMES, default=None,
                    help="default: 1f1b when V = 1, interleaved-1f1b otherwise")
     p.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
@@ -112,10 +123,21 @@ def config_from_args(args: argparse.Namespace, model: GPTModel) -> Config:
     if bsz % (d * b):
         raise _Error(f"--global-batch-size {bsz} is not a multiple of D*b = {d}*{b}: choose B = D * b * M")
     m = bsz // (d * b)
-    if model.num_layers % p:
-        raise _Error(f"--pipeline-model-parallel-size {p} does not divide the {model.num_layers} layers of {model.name}")
-    if args.num_layers_per_virtual_pipeline_stage is None:
+    split = _split(args)
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        if args.num_layers_per_virtual_pipeline_stage is not None:
+            raise _Error("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank both set "
+                         "V: give one")
+        v = args.num_virtual_stages_per_pipeline_rank
+        if v < 1:
+            raise _Error(f"--num-virtual-stages-per-pipeline-rank must be >= 1 (got {v})")
+    elif args.num_layers_per_virtual_pipeline_stage is None:
         v = 1
+    elif not split.even:
+        raise _Error("an uneven split sets V with --num-virtual-stages-per-pipeline-rank, not "
+                     "--num-layers-per-virtual-pipeline-stage (stages hold different layer counts)")
+    elif model.num_layers % p:
+        raise _Error(f"--pipeline-model-parallel-size {p} does not divide the {model.num_layers} layers of {model.name}")
     else:
         lyr = args.num_layers_per_virtual_pipeline_stage
         if lyr < 1 or (model.num_layers // p) % lyr:
@@ -126,7 +148,12 @@ def config_from_args(args: argparse.Namespace, model: GPTModel) -> Config:
     return Config(t, p, v, d, b, m, sched, args.zero_stage, args.recompute, args.microbatch_group_size_per_vp_stage,
                   _on_off(args.dp_overlap), _on_off(args.p2p_overlap), args.weight_buffers, args.grad_buffers,
                   w_reruns_input_grad=args.split_backward_w == "rerun-dgrad",
-                  w_at_input_grad=args.split_backward_w == "at-i")
+                  w_at_input_grad=args.split_backward_w == "at-i", split=split)
+
+
+def _split(args: argparse.Namespace) -> StageSplit:
+    return StageSplit(args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+                      args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split)
 
 
 def _run(prog: str, body, argv: list[str] | None) -> int:
@@ -197,6 +224,7 @@ def _plan(argv: list[str] | None) -> int:
         max_microbatches=args.max_microbatches,
         w_reruns_input_grad=args.split_backward_w == "rerun-dgrad",
         w_at_input_grad=args.split_backward_w == "at-i",
+        split=_split(args),
     )
     res = plan(model, hw, args.gpus, args.global_batch_size, space, args.top)
     if args.json:

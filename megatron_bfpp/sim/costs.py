@@ -45,7 +45,7 @@ from typing import Callable
 from ..schedule import COMPUTE_OPS, Op, Schedule
 from ..schedule.ir import INPUT_GRAD_OPS, SPLIT_BACKWARD_SCHEDULES
 from .hardware import Hardware
-from .model import Partition
+from .model import EVEN_STAGES, GPTModel, Partition, StageSplit
 
 ELEMENTWISE_BYTES_PER_TOKEN_HIDDEN = 38  # LN in/out 4+4, GeLU on 4h 16, two dropout+residual 7+7 (bf16)
 ELEMENTWISE_KERNELS_PER_LAYER = 8
@@ -296,6 +296,11 @@ class Config:
     w_reruns_input_grad: bool = False
     # ... or W's work runs at I (layers that cannot defer, e.g. TransformerEngine older than 2.3).
     w_at_input_grad: bool = False
+    split: StageSplit = EVEN_STAGES  # how Megatron-LM spreads the layers over the stages
+
+    def partition(self, model: GPTModel) -> Partition:
+        """The model cut into this configuration's stages."""
+        return Partition(model, self.tp, self.pp, self.vp, self.split)
 
     @property
     def split_backward(self) -> bool:

@@ -16,7 +16,8 @@ attention) a layer keeps 34 s b h / T bytes; with full recomputation only its in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -97,22 +98,95 @@ class StageShape:
 
 
 @dataclass(frozen=True)
+class StageSplit:
+    """How Megatron-LM spreads the decoder layers over the pipeline, by its flags; the default is equal stages."""
+
+    first_pipeline_num_layers: int | None = None  # --decoder-first-pipeline-num-layers (all of rank 0's stages)
+    last_pipeline_num_layers: int | None = None  # --decoder-last-pipeline-num-layers (all of rank P-1's stages)
+    account_for_embedding: bool = False  # --account-for-embedding-in-pipeline-split: the embedding is a layer
+    account_for_loss: bool = False  # --account-for-loss-in-pipeline-split: the output layer and loss are one
+
+    @property
+    def even(self) -> bool:
+        return self == EVEN_STAGES
+
+    @classmethod
+    def from_args(cls, args: Any) -> "StageSplit":
+        """From Megatron-LM's parsed arguments (absent flags: equal stages)."""
+        return cls(getattr(args, "decoder_first_pipeline_num_layers", None),
+                   getattr(args, "decoder_last_pipeline_num_layers", None),
+                   bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+                   bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
+
+
+EVEN_STAGES = StageSplit()
+
+
+def stage_layer_counts(num_layers: int, pp: int, vp: int, split: StageSplit = EVEN_STAGES) -> tuple[int, ...]:
+    """Decoder layers of each of the P*V stages (stage s: rank s mod P, its chunk s // P) as Megatron-Core builds
+    them (`get_num_layers_to_build`); ValueError naming the flags when Megatron-LM refuses the split."""
+    n = pp * vp
+    first, last = split.first_pipeline_num_layers, split.last_pipeline_num_layers
+    if split.even:
+        if num_layers % n:
+            raise ValueError(
+                f"--num-layers-per-virtual-pipeline-stage / --pipeline-model-parallel-size: {num_layers} layers do "
+                f"not split into P*V = {pp}*{vp} = {n} equal stages; choose P*V dividing {num_layers}, or an uneven "
+                "split (--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-pipeline-split)")
+        return (num_layers // n,) * n
+    if (first is not None or last is not None) and (split.account_for_embedding or split.account_for_loss):
+        raise ValueError("--decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split "
+                         "cannot be combined (Megatron-Core refuses it): choose one way to split unevenly")
+    if first is not None or last is not None:
+        per_rank = [None] * pp
+        middle_layers, middle_ranks = num_layers, pp
+        for rank, count, flag in ((0, first, "first"), (pp - 1, last, "last")):
+            if count is None:
+                continue
+            if count < 1 or count % vp or pp < 2:
+                raise ValueError(f"--decoder-{flag}-pipeline-num-layers {count} must be >= 1, a multiple of the V = "
+                                 f"{vp} stages per rank, with --pipeline-model-parallel-size >= 2")
+            per_rank[rank] = count
+            middle_layers -= count
+            middle_ranks -= 1
+        if (middle_layers != 0) != (middle_ranks != 0) or (middle_ranks and middle_layers % (middle_ranks * vp)) \
+                or middle_layers < 0:
+            raise ValueError(f"--decoder-first/last-pipeline-num-layers leave {middle_layers} of {num_layers} layers "
+                             f"for {middle_ranks} middle pipeline ranks: they must split evenly into V = {vp} stages "
+                             "on each")
+        if vp > 1 and middle_ranks == 0 and first is not None and last is not None:
+            raise ValueError("--decoder-first-pipeline-num-layers with --decoder-last-pipeline-num-layers and virtual "
+                             "stages needs a middle pipeline rank (Megatron-Core's layer offsets divide by their "
+                             "count): raise --pipeline-model-parallel-size or drop one of them")
+        middle = middle_layers // middle_ranks if middle_ranks else 0
+        per_rank = [middle if c is None else c for c in per_rank]
+        return tuple(per_rank[s % pp] // vp for s in range(n))
+    units = num_layers + split.account_for_embedding + split.account_for_loss
+    if units % n:
+        raise ValueError(
+            f"--account-for-embedding/loss-in-pipeline-split: {num_layers} layers plus the embedding/loss make "
+            f"{units}, which P*V = {pp}*{vp} = {n} stages must divide")
+    counts = [units // n] * n
+    counts[0] -= split.account_for_embedding
+    counts[-1] -= split.account_for_loss
+    return tuple(counts)
+
+
+@dataclass(frozen=True)
 class Partition:
-    """A model cut into P * V stages of equal layer counts, with T-way tensor parallelism."""
+    """A model cut into P * V stages (equal layer counts unless `split` says otherwise), with T-way tensor
+    parallelism."""
 
     model: GPTModel
     tp: int
     pp: int
     vp: int
+    split: StageSplit = EVEN_STAGES
+    layer_counts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        m, s = self.model, self.pp * self.vp
-        if m.num_layers % s:
-            raise ValueError(
-                f"--num-layers-per-virtual-pipeline-stage / --pipeline-model-parallel-size: {m.num_layers} layers "
-                f"of {m.name} do not split into P*V = {self.pp}*{self.vp} = {s} equal stages; choose P*V dividing "
-                f"{m.num_layers}"
-            )
+        m = self.model
+        object.__setattr__(self, "layer_counts", stage_layer_counts(m.num_layers, self.pp, self.vp, self.split))
         if m.num_heads % self.tp or m.hidden_size % self.tp:
             raise ValueError(
                 f"--tensor-model-parallel-size {self.tp} must divide the {m.num_heads} heads and hidden size "
@@ -125,10 +199,16 @@ class Partition:
 
     @property
     def layers_per_stage(self) -> int:
-        return self.model.num_layers // self.num_stages
+        """The layer count of a stage when all are equal (ValueError otherwise: use `layer_counts`)."""
+        if len(set(self.layer_counts)) != 1:
+            raise ValueError(f"stages hold different layer counts {self.layer_counts}")
+        return self.layer_counts[0]
+
+    def rank_layers(self, rank: int) -> int:
+        return sum(self.layer_counts[rank + c * self.pp] for c in range(self.vp))
 
     def stage(self, s: int) -> StageShape:
-        return StageShape(s, self.layers_per_stage, s == 0, s == self.num_stages - 1)
+        return StageShape(s, self.layer_counts[s], s == 0, s == self.num_stages - 1)
 
     def stage_params(self, s: int) -> float:
         """Parameters of stage s held by one GPU (tensor-parallel shard)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ..schedule import SCHEDULE_NAMES, ScheduleError
 from .costs import ADAM_BYTES_PER_PARAM, Config, head_times, layer_times, memory_breakdown, split_backward_times
 from .hardware import GIB, Hardware
-from .model import GPTModel, Partition
+from .model import EVEN_STAGES, GPTModel, Partition, StageSplit, stage_layer_counts
 from .predict import BREADTH_FIRST, Prediction, check_config, config_dict, memory, predict
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -37,6 +37,7 @@ class SearchSpace:
     max_microbatches: int = 256  # bounds simulation cost; larger M is reached through larger micro-batches
     w_reruns_input_grad: bool = False  # split-backward cost: see `Config.w_reruns_input_grad`
     w_at_input_grad: bool = False  # and `Config.w_at_input_grad`
+    split: StageSplit = EVEN_STAGES  # Megatron-LM's uneven-split flags, for every configuration
 
 
 @dataclass
@@ -131,19 +132,22 @@ class _Bounds:
         else:
             li, hi = lb, hb  # a fused backward is all on the critical path
         per_layer = lf + lb + rc
-        busiest = cfg.microbatches * (part.layers_per_stage * cfg.vp * per_layer + hf + hb)  # rank with the head
-        # The last rank (it holds the head) cannot start before P-1 forwards of a stage ran upstream, and after
-        # its last backward P-1 backwards of a stage still follow downstream: whatever the schedule. With a
-        # split backward the rank's own W's may run during that drain, so only the fill counts.
-        fill_drain = (cfg.pp - 1) * part.layers_per_stage * (lf if cfg.split_backward else per_layer)
+        work = [cfg.microbatches * part.rank_layers(r) * per_layer for r in range(cfg.pp)]
+        work[-1] += cfg.microbatches * (hf + hb)  # the rank with the head
+        # The last rank cannot start before the forwards of stages 0 .. P-2 ran upstream, and after its last
+        # backward theirs still follow downstream: whatever the schedule. With a split backward the rank's own
+        # W's may run during that drain, so only the fill counts.
+        upstream = sum(part.layer_counts[: cfg.pp - 1])
+        fill_drain = upstream * (lf if cfg.split_backward else per_layer)
         chain = self.model.num_layers * (lf + li + rc) + hf + hi  # one micro-batch through every stage
-        phi = max(part.rank_params(r) for r in (0, cfg.pp - 1))
+        phi = max(part.rank_params(r) for r in range(cfg.pp))
         shard = phi if cfg.zero_stage == 0 else phi / cfg.dp
         opt = ADAM_BYTES_PER_PARAM * shard / (self.hw.hbm_bandwidth * self.hw.memory_efficiency)
-        return max(busiest + fill_drain, chain) + opt
+        return max(work[-1] + fill_drain, max(work), chain) + opt
 
     def static_memory(self, cfg: Config, part: Partition) -> float:
-        return max(memory_breakdown(part, cfg, r, 0.0)["total"] for r in {0, cfg.pp - 1})
+        ranks = range(cfg.pp) if not part.split.even else {0, cfg.pp - 1}  # equal stages: the ends hold the most
+        return max(memory_breakdown(part, cfg, r, 0.0)["total"] for r in ranks)
 
 
 def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: int,
@@ -153,14 +157,18 @@ def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: in
     bad: list[tuple[Config | None, str]] = []
     g = hw.gpus_per_node
     tps = space.tp_sizes or tuple(t for t in (1, 2, 4, 8, 16) if t <= g)
-    pps = space.pp_sizes or tuple(_divisors(model.num_layers))
+    units = model.num_layers + space.split.account_for_embedding + space.split.account_for_loss
+    pps = space.pp_sizes or tuple(_divisors(units) if space.split.even or units != model.num_layers
+                                  else range(1, model.num_layers + 1))
     for tp in tps:
         if g % tp or model.num_heads % tp or gpus % tp:
             bad.append((None, f"T={tp} must divide the {g} GPUs per node, the {model.num_heads} heads and --gpus {gpus}"))
             continue
         for pp in pps:
-            if gpus % (tp * pp) or model.num_layers % pp:
-                bad.append((None, f"T*P={tp * pp} must divide --gpus {gpus} and P the {model.num_layers} layers"))
+            splits = _vp_sizes(model, pp, space)
+            if gpus % (tp * pp) or not splits:
+                bad.append((None, f"T*P={tp * pp} must divide --gpus {gpus}, and P the {model.num_layers} layers "
+                                  f"({'equally' if space.split.even else 'as the uneven-split flags ask'})"))
                 continue
             dp = gpus // (tp * pp)
             if global_batch % dp:
@@ -175,10 +183,9 @@ def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: in
                     if pp == 1 and sched != "1f1b":
                         continue  # without a pipeline every schedule is 1F1B
                     if sched in ("gpipe", "1f1b", "zb-h1"):
-                        vps = [1]
+                        vps = [1] if 1 in splits else []
                     else:
-                        vps = [v for v in (space.vp_sizes or _divisors(model.num_layers // pp))
-                               if v >= 2 and (model.num_layers // pp) % v == 0]
+                        vps = [v for v in splits if v >= 2 and (space.vp_sizes is None or v in space.vp_sizes)]
                     for vp in vps:
                         groups = _group_sizes(sched, pp, m, space.search_group_size)
                         for zero in space.zero_stages:
@@ -186,7 +193,7 @@ def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: in
                                 base = Config(tp, pp, vp, dp, b, m, sched, zero, rc, None,
                                               space.dp_overlap, space.p2p_overlap,
                                               w_reruns_input_grad=space.w_reruns_input_grad,
-                                              w_at_input_grad=space.w_at_input_grad)
+                                              w_at_input_grad=space.w_at_input_grad, split=space.split)
                                 if m > space.max_microbatches:
                                     bad.append((base, f"M={m} micro-batches per step exceeds the search limit "
                                                       f"{space.max_microbatches}; a larger micro-batch size covers it"))
@@ -199,8 +206,20 @@ def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: in
                                                       None if gs == _default(sched, pp, m) else gs,
                                                       space.dp_overlap, space.p2p_overlap,
                                                       w_reruns_input_grad=space.w_reruns_input_grad,
-                                                      w_at_input_grad=space.w_at_input_grad))
+                                                      w_at_input_grad=space.w_at_input_grad, split=space.split))
     return out, bad
+
+
+def _vp_sizes(model: GPTModel, pp: int, space: SearchSpace) -> list[int]:
+    """Every V for which Megatron-LM splits the layers over P * V stages under the search's split flags."""
+    out = []
+    for v in range(1, model.num_layers // pp + 2):
+        try:
+            stage_layer_counts(model.num_layers, pp, v, space.split)
+        except ValueError:
+            continue
+        out.append(v)
+    return out
 
 
 def _default(sched: str, pp: int, m: int) -> int | None:
@@ -220,7 +239,7 @@ def plan(model: GPTModel, hw: Hardware, gpus: int, global_batch: int, space: Sea
     usable = hw.usable_memory_bytes
 
     def ub(cfg: Config) -> float:
-        return flops / bounds.step_lower_bound(cfg, Partition(model, cfg.tp, cfg.pp, cfg.vp)) / gpus / 1e12
+        return flops / bounds.step_lower_bound(cfg, cfg.partition(model)) / gpus / 1e12
 
     ranked = sorted(((ub(c), i, c) for i, c in enumerate(configs)), key=lambda x: (-x[0], x[1]))
     rejected = [Rejection(c, why, ub(c)) for c, why in bad if c is not None]
@@ -229,7 +248,7 @@ def plan(model: GPTModel, hw: Hardware, gpus: int, global_batch: int, space: Sea
     for bound, _, cfg in ranked:
         if len(fitting) >= top and bound < fitting[top - 1].tflops_per_gpu:
             break
-        part = Partition(model, cfg.tp, cfg.pp, cfg.vp)
+        part = cfg.partition(model)
         static = bounds.static_memory(cfg, part)
         if static > usable:
             rejected.append(Rejection(cfg, f"model state alone needs {static / GIB:.1f} GiB > {usable / GIB:.1f} GiB "

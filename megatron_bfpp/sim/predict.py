@@ -11,10 +11,10 @@ from ..schedule.ir import INPUT_GRAD_OPS
 from ..schedule.validate import peak_pending_weight_grads
 from ..schedule.builders import check_breadth_first, check_interleaved
 from ..trace.events import TimelineEvent
-from .costs import Config, Placement, analytic_costs, memory_breakdown
+from .costs import Config, Placement, analytic_costs, memory_breakdown, peak_activation_bytes
 from .engine import EngineResult, simulate_schedule
 from .hardware import GIB, Hardware
-from .model import GPTModel, Partition
+from .model import GPTModel, StageSplit
 
 SINGLE_STAGE = ("gpipe", "1f1b", "zb-h1")
 BREADTH_FIRST = ("breadth-first", "breadth-first-zb")  # group size = micro-batches per breadth-first group
@@ -32,7 +32,7 @@ def default_group_size(schedule: str, pp: int, microbatches: int) -> int | None:
 def check_config(model: GPTModel, hw: Hardware, cfg: Config) -> None:
     """Raise ValueError (one line, naming the flag) for a configuration that cannot run."""
     Placement(hw, cfg.tp, cfg.dp, cfg.pp)
-    Partition(model, cfg.tp, cfg.pp, cfg.vp)
+    cfg.partition(model)
     if cfg.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"--zero-stage must be 0, 1, 2 or 3 (got {cfg.zero_stage})")
     if cfg.schedule in SINGLE_STAGE and cfg.vp != 1:
@@ -132,6 +132,10 @@ def config_dict(cfg: Config) -> dict:
         "p2p_overlap": cfg.p2p_overlap,
         "w_reruns_input_grad": cfg.w_reruns_input_grad,
         "w_at_input_grad": cfg.w_at_input_grad,
+        "decoder_first_pipeline_num_layers": cfg.split.first_pipeline_num_layers,
+        "decoder_last_pipeline_num_layers": cfg.split.last_pipeline_num_layers,
+        "account_for_embedding_in_pipeline_split": cfg.split.account_for_embedding,
+        "account_for_loss_in_pipeline_split": cfg.split.account_for_loss,
     }
 
 
@@ -175,11 +179,17 @@ def activation_frontier(name: str, pp: int, vp: int, microbatches: int,
 
 def memory(model: GPTModel, cfg: Config) -> list[dict[str, float]]:
     """Per pipeline rank, bytes by category (see `costs.memory_breakdown`), activations from the schedule's order."""
-    part = Partition(model, cfg.tp, cfg.pp, cfg.vp)
+    part = cfg.partition(model)
     b = cfg.micro_batch_size
     g = cfg.group_size or default_group_size(cfg.schedule, cfg.pp, cfg.microbatches)
-    frontier = activation_frontier(cfg.schedule, cfg.pp, cfg.vp, cfg.microbatches, g)
     n_st = part.num_stages
+    if len(set(part.layer_counts[:-1])) > 1:  # uneven stages: walk the order with each stage's own bytes
+        sched = built_schedule(cfg.schedule, cfg.pp, cfg.vp, cfg.microbatches, g)
+        pending = None if cfg.w_at_input_grad else (lambda s: part.pending_weight_grad_bytes(s, b))
+        return [memory_breakdown(part, cfg, r, peak_activation_bytes(
+                    sched, r, lambda s: part.activation_bytes(s, b, cfg.recompute), pending))
+                for r in range(cfg.pp)]
+    frontier = activation_frontier(cfg.schedule, cfg.pp, cfg.vp, cfg.microbatches, g)
     sizes = (part.activation_bytes(0, b, cfg.recompute) if n_st > 1 else 0.0,
              part.activation_bytes(n_st - 1, b, cfg.recompute),
              part.pending_weight_grad_bytes(0, b) if n_st > 1 and not cfg.w_at_input_grad else 0.0,
@@ -192,7 +202,7 @@ def predict(model: GPTModel, hw: Hardware, cfg: Config, record_events: bool = Fa
             check: bool = False) -> Prediction:
     """Simulate one step of `cfg`; `check` also validates the schedule (slower, for one-off use)."""
     check_config(model, hw, cfg)
-    part = Partition(model, cfg.tp, cfg.pp, cfg.vp)
+    part = cfg.partition(model)
     sched = schedule_for(cfg, check)
     costs = analytic_costs(hw, part, cfg)
     res = simulate_schedule(sched, costs, record_events=record_events)
@@ -277,7 +287,7 @@ def trainer_config(args) -> tuple[GPTModel, Config]:
                  getattr(args, "recompute_granularity", None) == "full",
                  getattr(args, "microbatch_group_size_per_vp_stage", None),
                  weight_buffers=getattr(args, "bfpp_weight_buffers", None) or 2,
-                 grad_buffers=getattr(args, "bfpp_grad_buffers", None) or 2)
+                 grad_buffers=getattr(args, "bfpp_grad_buffers", None) or 2, split=StageSplit.from_args(args))
     return model, cfg
 
 
@@ -290,7 +300,7 @@ def predict_for_trainer(args, iteration_times: list[float] | None = None) -> dic
 
     try:
         model, cfg = trainer_config(args)
-        Partition(model, cfg.tp, cfg.pp, cfg.vp)  # equal stages, T dividing the heads
+        cfg.partition(model)  # a split Megatron builds, T dividing the heads
         sched = schedule_for(cfg)
         hw = hardware_for_device()
         if hw is not None:

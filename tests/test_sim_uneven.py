@@ -1,0 +1,124 @@
+"""Uneven pipeline stages in the simulator: Megatron-LM's --decoder-first/last-pipeline-num-layers and
+--account-for-embedding/loss-in-pipeline-split, checked against Megatron-Core's own layer counts."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from megatron_bfpp.sim import Config, get_hardware, get_model, plan, predict
+from megatron_bfpp.sim.cli import simulate_main
+from megatron_bfpp.sim.model import EVEN_STAGES, Partition, StageSplit, stage_layer_counts
+from megatron_bfpp.sim.planner import SearchSpace
+from megatron_bfpp.sim.predict import memory
+
+GPT52 = get_model("gpt-52b")
+A100 = get_hardware("dgx-a100")
+
+SPLITS = [EVEN_STAGES, StageSplit(account_for_embedding=True), StageSplit(account_for_loss=True),
+          StageSplit(account_for_embedding=True, account_for_loss=True), StageSplit(first_pipeline_num_layers=2),
+          StageSplit(last_pipeline_num_layers=2), StageSplit(first_pipeline_num_layers=4),
+          StageSplit(first_pipeline_num_layers=2, last_pipeline_num_layers=4)]
+
+
+def _megatron_counts(num_layers: int, pp: int, vp: int, split: StageSplit) -> tuple[int, ...] | None:
+    """Megatron-Core's layers per stage (None where its TransformerConfig refuses the split)."""
+    import torch
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    try:
+        config = TransformerConfig(
+            num_layers=num_layers, hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vp if vp > 1 else None, pipeline_dtype=torch.float32,
+            num_layers_in_first_pipeline_stage=split.first_pipeline_num_layers,
+            num_layers_in_last_pipeline_stage=split.last_pipeline_num_layers,
+            account_for_embedding_in_pipeline_split=split.account_for_embedding,
+            account_for_loss_in_pipeline_split=split.account_for_loss)
+        return tuple(get_num_layers_to_build(config, vp_stage=s // pp if vp > 1 else None, pp_rank=s % pp)
+                     for s in range(pp * vp))
+    except (ValueError, AssertionError):
+        return None
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_stage_layer_counts_equal_megatron_cores(split: StageSplit) -> None:
+    """For every L, P, V: the same layers per stage as Megatron-Core builds, and refused where it refuses (also
+    where its config passes and its layer offsets divide by zero: first and last set, V > 1, no middle rank)."""
+    checked = 0
+    for num_layers, pp, vp in itertools.product(range(1, 13), range(1, 5), range(1, 5)):
+        ends = split.first_pipeline_num_layers is not None or split.last_pipeline_num_layers is not None
+        if (split.even and vp > 1 and num_layers % (pp * vp)) or (pp == 1 and (vp > 1 or ends)):
+            continue  # Megatron-LM's argument validation refuses these before the config sees them
+        want = _megatron_counts(num_layers, pp, vp, split)
+        if want is not None and min(want) < 0:
+            want = None  # more layers asked of the ends than there are: Megatron-Core fails building them
+        both_ends = split.first_pipeline_num_layers is not None and split.last_pipeline_num_layers is not None
+        if want is not None and both_ends and vp > 1 and pp == 2:
+            want = None  # Megatron-Core's get_transformer_layer_offset fails there
+        try:
+            got = stage_layer_counts(num_layers, pp, vp, split)
+        except ValueError:
+            got = None
+        assert got == want, f"L={num_layers} P={pp} V={vp} {split}: {got} != Megatron-Core's {want}"
+        checked += got is not None
+    assert checked >= 5, "too few valid layouts to compare"
+
+
+def test_uneven_partition_places_embedding_and_head_on_their_stages() -> None:
+    part = Partition(GPT52, 2, 2, 33, StageSplit(account_for_embedding=True, account_for_loss=True))
+    assert part.layer_counts[0] == 0 and part.layer_counts[-1] == 0 and sum(part.layer_counts) == 64
+    assert part.stage_params(0) == pytest.approx(GPT52.embedding_params() / 2)
+    assert sum(part.rank_params(r) for r in range(2)) == pytest.approx(GPT52.num_params() / 2)
+    with pytest.raises(ValueError, match="layers_per_stage|different layer counts"):
+        part.layers_per_stage  # noqa: B018
+    with pytest.raises(ValueError, match="--account-for-embedding/loss-in-pipeline-split"):
+        Partition(GPT52, 2, 2, 32, StageSplit(account_for_embedding=True, account_for_loss=True))
+
+
+def _cfg(split: StageSplit, vp: int, schedule: str = "interleaved-zb", zero: int = 2) -> Config:
+    return Config(2, 2, vp, 128, 1, 2, schedule, zero, False, split=split)
+
+
+def test_standalone_embedding_and_loss_stages_shorten_the_step_boundary() -> None:
+    """52B, 512 A100, 1/2 sequence per GPU: the first stage holding only the embedding gathers and reduces less
+    at the step boundary; the prediction accounts each stage's own layers, parameters and activations."""
+    even = predict(GPT52, A100, _cfg(EVEN_STAGES, 32))
+    split = predict(GPT52, A100, _cfg(StageSplit(account_for_embedding=True, account_for_loss=True), 33))
+    assert split.exposed_dp_s < even.exposed_dp_s
+    assert split.step_time_s < even.step_time_s
+    assert split.memory_gib["grad_buffers"] < even.memory_gib["grad_buffers"]  # the largest stages are smaller
+    assert split.to_dict()["config"]["account_for_embedding_in_pipeline_split"] is True
+
+
+@pytest.mark.parametrize("schedule,zero", [("interleaved-zb", 2), ("breadth-first", 3), ("interleaved-1f1b", 1)])
+def test_uneven_activation_memory_walks_each_stage(schedule: str, zero: int) -> None:
+    """Stages of different sizes: each rank's activations are the peak of its own stages' bytes over its order
+    (rank 0 holds fewer layers than rank 1 here, so it keeps less)."""
+    split = StageSplit(first_pipeline_num_layers=16)
+    cfg = Config(2, 2, 2, 128, 1, 4, schedule, zero, False, split=split)
+    mem = memory(GPT52, cfg)
+    assert Partition(GPT52, 2, 2, 2, split).layer_counts == (8, 24, 8, 24)
+    assert 0 < mem[0]["activations"] < mem[1]["activations"]
+
+
+def test_plan_searches_the_split_it_is_given() -> None:
+    split = StageSplit(account_for_embedding=True, account_for_loss=True)
+    res = plan(GPT52, A100, 512, 256, SearchSpace(split=split), top=3)
+    assert res.candidates
+    for p in res.candidates:
+        assert p.config.split == split and (GPT52.num_layers + 2) % (p.config.pp * p.config.vp) == 0
+
+
+def test_simulate_cli_takes_megatrons_uneven_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", "gpt-52b", "--hardware", "dgx-a100", "--gpus", "512", "--global-batch-size", "256",
+            "--micro-batch-size", "1", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--pipeline-schedule", "interleaved-zb", "--zero-stage", "2"]
+    flags = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    assert simulate_main(base + ["--num-virtual-stages-per-pipeline-rank", "33", *flags]) == 0
+    assert "step time" in capsys.readouterr().out
+    assert simulate_main(base + ["--num-virtual-stages-per-pipeline-rank", "32", *flags]) == 2
+    assert "--account-for-embedding/loss-in-pipeline-split" in capsys.readouterr().err
+    assert simulate_main(base + ["--num-layers-per-virtual-pipeline-stage", "1", *flags]) == 2
+    assert "--num-virtual-stages-per-pipeline-rank" in capsys.readouterr().err
