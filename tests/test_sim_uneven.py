@@ -122,3 +122,20 @@ def test_simulate_cli_takes_megatrons_uneven_flags(capsys: pytest.CaptureFixture
     assert "--account-for-embedding/loss-in-pipeline-split" in capsys.readouterr().err
     assert simulate_main(base + ["--num-layers-per-virtual-pipeline-stage", "1", *flags]) == 2
     assert "--num-virtual-stages-per-pipeline-rank" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("split", [StageSplit(account_for_embedding=True, account_for_loss=True),
+                                   StageSplit(first_pipeline_num_layers=4)], ids=str)
+def test_plan_over_uneven_stages_is_exact(split: StageSplit) -> None:
+    """The planner's bound stays a bound with uneven stages: its top K equal a brute-force search."""
+    from megatron_bfpp.sim.planner import enumerate_configs
+
+    model, hw = get_model("gpt-1.3b"), A100.replace(hbm_bytes=20e9)
+    space = SearchSpace(micro_batch_sizes=(1, 2), zero_stages=(1, 3), tp_sizes=(1, 2), recompute=(False,),
+                        split=split)
+    res = plan(model, hw, 16, 32, space, top=3)
+    configs, _ = enumerate_configs(model, hw, 16, 32, space)
+    ref = sorted((p for p in (predict(model, hw, c) for c in configs) if p.fits), key=lambda p: -p.tflops_per_gpu)
+    assert any(not p.config.partition(model).split.even for p in ref)
+    assert [p.tflops_per_gpu for p in res.candidates] == pytest.approx([p.tflops_per_gpu for p in ref[:3]], rel=1e-12)
+    assert res.simulated < len(ref)
