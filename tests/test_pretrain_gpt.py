@@ -274,14 +274,18 @@ def test_interleaved_1f1b_matches_stock(mlm: Runner) -> None:
 
 @needs_checkout
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("schedule,zero", [("breadth-first-zb", "3"), ("interleaved-zb", "2"), ("interleaved-zb", None)])
-def test_zero_bubble_matches_stock(mlm: Runner, schedule: str, zero: str | None) -> None:
+@pytest.mark.parametrize("schedule,zero,extra", [
+    ("breadth-first-zb", "3", []), ("interleaved-zb", "2", []), ("interleaved-zb", None, []),
+    ("interleaved-zb", "3", ["--recompute-granularity", "selective"]),
+])
+def test_zero_bubble_matches_stock(mlm: Runner, schedule: str, zero: str | None, extra: list[str]) -> None:
     """Split backward (I now, W later) through Megatron-LM's own loop == stock interleaved 1F1B; without
-    --zero-stage the deferred weight gradients reach Megatron's own DDP buffers through its hooks."""
+    --zero-stage the deferred weight gradients reach Megatron's own DDP buffers through its hooks; with
+    selective recomputation the I recomputes the core attention inside its backward."""
     sharding = ["--zero-stage", zero] if zero else []
-    run = mlm.run("patched", TINY + P2V2 + ["--pipeline-schedule", schedule] + sharding)
+    run = mlm.run("patched", TINY + P2V2 + ["--pipeline-schedule", schedule] + sharding + extra)
     assert f"megatron_bfpp: installed pipeline schedule {schedule}" in run.output
-    assert_same_training(run, stock_ref(mlm))
+    assert_same_training(run, mlm.run("stock", TINY + P2V2 + extra) if extra else stock_ref(mlm))
 
 
 # Uneven pipeline stages, as Megatron-LM builds them: standalone embedding and loss stages of a layout, stages
