@@ -157,15 +157,19 @@ def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: in
     bad: list[tuple[Config | None, str]] = []
     g = hw.gpus_per_node
     tps = space.tp_sizes or tuple(t for t in (1, 2, 4, 8, 16) if t <= g)
-    units = model.num_layers + space.split.account_for_embedding + space.split.account_for_loss
-    pps = space.pp_sizes or tuple(_divisors(units) if space.split.even or units != model.num_layers
-                                  else range(1, model.num_layers + 1))
+    split = space.split
+    if split.first_pipeline_num_layers is not None or split.last_pipeline_num_layers is not None:
+        pps = space.pp_sizes or tuple(range(2, model.num_layers + 1))  # the middle ranks decide: try each P
+    else:  # P divides the layers, the embedding and the loss counted where the flags say
+        pps = space.pp_sizes or tuple(_divisors(model.num_layers + split.account_for_embedding
+                                                + split.account_for_loss))
+    vp_sizes = {pp: _vp_sizes(model, pp, split) for pp in pps}
     for tp in tps:
         if g % tp or model.num_heads % tp or gpus % tp:
             bad.append((None, f"T={tp} must divide the {g} GPUs per node, the {model.num_heads} heads and --gpus {gpus}"))
             continue
         for pp in pps:
-            splits = _vp_sizes(model, pp, space)
+            splits = vp_sizes[pp]
             if gpus % (tp * pp) or not splits:
                 bad.append((None, f"T*P={tp * pp} must divide --gpus {gpus}, and P the {model.num_layers} layers "
                                   f"({'equally' if space.split.even else 'as the uneven-split flags ask'})"))
@@ -210,12 +214,12 @@ def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: in
     return out, bad
 
 
-def _vp_sizes(model: GPTModel, pp: int, space: SearchSpace) -> list[int]:
-    """Every V for which Megatron-LM splits the layers over P * V stages under the search's split flags."""
+def _vp_sizes(model: GPTModel, pp: int, split: StageSplit) -> list[int]:
+    """Every V for which Megatron-LM splits the layers over P * V stages under these split flags."""
     out = []
     for v in range(1, model.num_layers // pp + 2):
         try:
-            stage_layer_counts(model.num_layers, pp, v, space.split)
+            stage_layer_counts(model.num_layers, pp, v, split)
         except ValueError:
             continue
         out.append(v)
