@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import subprocess_pythonpath
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 # As .ci/run and scripts/test.sh: the variable, else the Megatron-LM source beside the repository.
@@ -99,7 +101,7 @@ def test_megatron_reference_command_passes_the_argument_check(dry_run) -> None:
         flags = ref[ref.index(next(x for x in ref if x.endswith("pretrain_gpt.py"))) + 1:]
         r = subprocess.run([sys.executable, "-m", "megatron_bfpp.megatron.check", "--world-size", "1", "--", *flags],
                            capture_output=True, text=True, cwd=MEGATRON_LM_DIR, timeout=120,
-                           env={**os.environ, "PYTHONPATH": MEGATRON_LM_DIR})
+                           env={**os.environ, "PYTHONPATH": subprocess_pythonpath(MEGATRON_LM_DIR)})
         assert r.returncode == 0, schedule + ": " + r.stdout[-2000:] + r.stderr[-2000:]
 
 

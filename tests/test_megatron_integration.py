@@ -23,6 +23,7 @@ import pytest
 import megatron_bfpp.megatron as bm
 from megatron_bfpp.megatron import compat
 from megatron_bfpp.megatron.check import parse_megatron_args
+from tests.paths import subprocess_pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -548,7 +549,7 @@ def _megatron_version(path: Path) -> tuple[int, int]:
 
 def _run_checkout_script(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, WORLD_SIZE=str(WORLD), RANK="0", PYTHONWARNINGS="ignore")
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = subprocess_pythonpath()  # the clone and the import guard, nothing else
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=180)
     missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", r.stderr)
     if missing and not missing.group(1).startswith("megatron"):

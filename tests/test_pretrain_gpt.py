@@ -29,6 +29,7 @@ import pytest
 
 import megatron_bfpp.megatron as bm
 from megatron_bfpp.megatron.check import parse_megatron_args
+from tests.paths import subprocess_pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIM = ROOT / "tests" / "cpu_shim"
@@ -122,7 +123,7 @@ class Runner:
                str(_free_port()), str(RUNNER)]
         cmd += (["--launch"] if mode == "launch" else []) + [str(script), *args]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("BFPP_", "MASTER_", "TORCHELASTIC"))}
-        env.update(PYTHONPATH=str(SHIM), BFPP_CPU_SHIM="1", BFPP_PRETRAIN_RECORD=str(record),
+        env.update(PYTHONPATH=subprocess_pythonpath(str(SHIM)), BFPP_CPU_SHIM="1", BFPP_PRETRAIN_RECORD=str(record),
                    CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                    PYTHONDONTWRITEBYTECODE="1")
         start = time.monotonic()
@@ -161,7 +162,7 @@ def _missing_module(checkout: Path) -> str | None:
     """The first Python package the checkout imports that this environment lacks, or None."""
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import runpy\n"
             "import megatron.training.training, megatron.training.arguments")
-    env = dict(os.environ, PYTHONPATH=str(SHIM), BFPP_CPU_SHIM="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=subprocess_pythonpath(str(SHIM)), BFPP_CPU_SHIM="1", PYTHONWARNINGS="ignore")
     r = subprocess.run([sys.executable, "-c", code, str(checkout)], capture_output=True, text=True, env=env,
                        timeout=180)
     m = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", r.stderr)

@@ -32,6 +32,11 @@ patches only the stock pipeline schedules inside one process.
 from __future__ import annotations
 
 import os
+import runpy
+
+# Python imports one `sitecustomize`: where this one shadows the tests' import guard, run the guard too.
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "import_guard",
+                            "sitecustomize.py"))
 
 if os.environ.get("BFPP_CPU_SHIM") == "1":
     import contextlib

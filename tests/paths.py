@@ -1,0 +1,15 @@
+"""Where the clone under test is, and the PYTHONPATH its subprocesses get (the clone first)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+IMPORT_GUARD = ROOT / "tests" / "import_guard"
+
+
+def subprocess_pythonpath(*extra: str) -> str:
+    """A PYTHONPATH for a subprocess that needs `extra` entries (a shim, a checkout): the clone comes first, and
+    the import guard last (a shim's `sitecustomize` shadows the guard's and runs it)."""
+    return os.pathsep.join([str(ROOT), *extra, str(IMPORT_GUARD)])
