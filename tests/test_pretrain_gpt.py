@@ -577,11 +577,11 @@ def test_zero_stage_refuses_flags_that_read_freed_storage(flags: list[str], need
 
 
 @pytest.mark.parametrize("flags", [
-    ["--zero-stage", "1", "--cuda-graph-impl", "local"],
+    ["--zero-stage", "1", "--cuda-graph-impl", "transformer_engine", "--pipeline-schedule", "interleaved-1f1b"],
     ["--zero-stage", "2", "--save-params-interval", "2"],
     ["--zero-stage", "3", "--log-params-norm", "--check-weight-hash-across-dp-replicas-interval", "2"],
     ["--save-wgrads-interval", "2"],
-], ids=["cuda-graph-local-zero1", "save-params-zero2", "params-norm-weight-hash-zero3", "save-wgrads-no-zero"])
+], ids=["cuda-graph-te-zero1", "save-params-zero2", "params-norm-weight-hash-zero3", "save-wgrads-no-zero"])
 def test_zero_stage_accepts(flags: list[str]) -> None:
     bm.validate_args(parse_megatron_args(CHECK + flags, 2))
 
@@ -590,12 +590,12 @@ def test_zero_stage_accepts(flags: list[str]) -> None:
 @pytest.mark.parametrize("sharding", [[], ["--zero-stage", "1"]], ids=["megatron-ddp", "zero1"])
 def test_split_backward_refuses_per_layer_cuda_graphs(schedule: str, sharding: list[str]) -> None:
     """A layer's CUDA graph replays its whole backward; the split backward runs it in two parts."""
-    flags = [f for f in CHECK if f != "breadth-first"] + [schedule, *sharding, "--cuda-graph-impl", "local"]
+    flags = [f for f in CHECK if f != "breadth-first"] + [schedule, *sharding, "--cuda-graph-impl", "transformer_engine"]
     with pytest.raises(bm.ConfigError) as e:
         bm.validate_args(parse_megatron_args(flags, 2))
     msg = str(e.value)
-    assert "--cuda-graph-impl local" in msg and schedule in msg and "--cuda-graph-impl none" in msg, msg
-    bm.validate_args(parse_megatron_args([f for f in flags if f not in ("--cuda-graph-impl", "local")], 2))
+    assert "--cuda-graph-impl transformer_engine" in msg and schedule in msg and "split backward" in msg, msg
+    bm.validate_args(parse_megatron_args([f for f in flags if f not in ("--cuda-graph-impl", "transformer_engine")], 2))
 
 
 @pytest.mark.parametrize("zero", ["2", "3"])

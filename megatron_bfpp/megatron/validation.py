@@ -142,6 +142,65 @@ def _per_layer_graphs(args: argparse.Namespace) -> str | None:
     return None if graphs in (None, "none", "full_iteration") else f"--cuda-graph-impl {graphs}"
 
 
+def _megatron_graph_capture_order(pp: int, rank: int, vp: int, microbatches: int, group: int) -> list[str]:
+    """The order in which Megatron-LM captures the TransformerEngine per-layer graphs of pipeline rank `rank`, as
+    `F<chunk>:<micro-batch>` / `B<chunk>:<micro-batch>` (local chunk index). Computed with Megatron's own code, as
+    `TECudaGraphHelper._get_cuda_graph_input_data` (megatron/core/transformer/cuda_graphs.py) does:
+    `get_pp_rank_microbatches` (warm-up count), `get_schedule_table` and `convert_schedule_table_to_order`
+    (+c: forward of chunk c - 1, -c: backward of chunk c - 1). The k-th forward (backward) of a chunk is its
+    graph for micro-batch k. At P = 1 Megatron captures one micro-batch and replays that graph for every
+    micro-batch (`current_microbatch % len(cuda_graphs)`, megatron/core/transformer/module.py), which is the
+    same order repeated: F, B per micro-batch."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
+    from megatron.core.transformer.cuda_graphs import convert_schedule_table_to_order
+
+    # What get_pp_rank_microbatches reads from its P2PCommunicator: the pipeline group's size and rank, and
+    # the config's virtual size (None without virtual stages: the non-interleaved 1F1B warm-up).
+    comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: pp, rank=lambda: rank),
+                           virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
+    _, _, warmup, _ = get_pp_rank_microbatches(microbatches, vp, group, forward_only=False, p2p_communicator=comm)
+    order = convert_schedule_table_to_order(warmup, vp, get_schedule_table(microbatches, vp, group))
+    seen: dict[int, int] = {}
+    steps = []
+    for c_id in order:
+        seen[c_id] = seen.get(c_id, 0) + 1
+        steps.append(f"{'F' if c_id > 0 else 'B'}{abs(c_id) - 1}:{seen[c_id] - 1}")
+    return steps
+
+
+def _check_transformer_engine_graph_order(cfg: PluginConfig, args: argparse.Namespace, graph_flag: str) -> None:
+    """TransformerEngine's per-layer graphs are captured in Megatron's schedule order (training.py builds the
+    TECudaGraphHelper whatever the forward_backward function is) into one memory pool, and since TE 2.7 with
+    graph input/output buffers reused along that order (`make_graphed_callables(_order=...,
+    _reuse_graph_input_output_buffers=True)`, transformer_engine/pytorch/graph.py `_make_graphed_callables`).
+    A replay in another order overwrites buffers a later backward still reads: allowed only where the plugin's
+    per-rank order of F and B equals Megatron's."""
+    group = int(_flag(args, "microbatch_group_size_per_vp_stage") or cfg.pp)
+    for m in cfg.train_microbatches:
+        sched = build(cfg.pipeline_schedule, cfg.pp, cfg.vp, m, cfg.microbatch_group_size)
+        for rank in range(cfg.pp):
+            ours = [f"{a.op.value}{a.stage // cfg.pp}:{a.microbatch}" for a in sched.compute_actions(rank)]
+            theirs = _megatron_graph_capture_order(cfg.pp, rank, cfg.vp, m, group)
+            if ours == theirs:
+                continue
+            k = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs)))
+            same = "interleaved-1f1b" if cfg.vp > 1 else "1f1b"
+            raise ConfigError(
+                f"{graph_flag} (TransformerEngine per-layer CUDA graphs) with --pipeline-schedule "
+                f"{cfg.pipeline_schedule}: Megatron captures the graphs in its own schedule's order into one memory "
+                f"pool and TransformerEngine requires them to be replayed in that order, but on pipeline rank {rank} "
+                f"(P={cfg.pp}, V={cfg.vp}, M={m}) compute step {k + 1} runs {_step(ours, k)} where Megatron "
+                f"captured {_step(theirs, k)} (F/B<chunk>:<micro-batch>); drop {graph_flag.split()[0]} (use "
+                f"--cuda-graph-impl none), or use --pipeline-schedule {same} (Megatron's order) or default"
+            )
+
+
+def _step(steps: list[str], k: int) -> str:
+    return steps[k] if k < len(steps) else "nothing"
+
+
 def _check_zero_stage_readers(args: argparse.Namespace, zero: int) -> None:
     """Megatron-LM features that read or write parameters, `main_grad` or `.grad` outside the schedule, where
     --zero-stage frees or shards that storage between uses (ZeRO-2: full gradients; ZeRO-3: weights too)."""
@@ -255,15 +314,29 @@ def validate_args(args: argparse.Namespace) -> PluginConfig:
             )
     if runtime:
         graph_flag = _per_layer_graphs(args)
+        if graph_flag in ("--cuda-graph-impl local", "--enable-cuda-graph"):
+            # Megatron builds these graphs in create_cudagraphs() (megatron/core/transformer/cuda_graphs.py),
+            # which only its own schedule functions call (pipeline_parallel/schedules.py, at their end): under the
+            # plugin's runtime the layers run eagerly, and at P > 1 CudaGraphManager.get_cudagraph_runner adds a
+            # runner and a recording per micro-batch of every step. (The capture order would be the running
+            # schedule's own: _CudagraphGlobalRecord records the first step as it runs.)
+            raise ConfigError(
+                f"{graph_flag} (Megatron's local per-layer CUDA graphs) with --pipeline-schedule {schedule}: "
+                "Megatron builds these graphs only at the end of its own schedule functions, so under the "
+                "plugin's schedule they are never built (the layers run eagerly, and at P > 1 each micro-batch "
+                f"of every step leaves a new recording behind); drop {graph_flag.split()[0]} (use "
+                "--cuda-graph-impl none), or use --pipeline-schedule default"
+            )
         if schedule in SPLIT_BACKWARD_SCHEDULES and graph_flag is not None:
             raise ConfigError(
                 f"{graph_flag} (per-layer CUDA graphs) with --pipeline-schedule {schedule}: a layer's graph "
                 f"replays its whole backward, which the split backward (I now, W later) divides in two; drop "
-                f"{graph_flag.split()[0]} (use --cuda-graph-impl none) or use a fused schedule (breadth-first, "
-                "interleaved-1f1b)"
+                f"{graph_flag.split()[0]} (use --cuda-graph-impl none) or use --pipeline-schedule interleaved-1f1b "
+                "(1f1b at V = 1), whose order is Megatron's"
             )
         if _flag(args, "cuda_graph_impl", "none") == "full_iteration":
-            per_layer = ("--cuda-graph-impl local/transformer_engine (per-layer), " if zero in (None, 1) else "")
+            per_layer = ("--cuda-graph-impl transformer_engine (per-layer, with --pipeline-schedule interleaved-1f1b "
+                         "or 1f1b), " if zero in (None, 1) else "")
             raise ConfigError(
                 f"--cuda-graph-impl full_iteration captures Megatron's own schedule; it cannot capture "
                 f"--pipeline-schedule {schedule}: use --cuda-graph-impl none, {per_layer}or --pipeline-schedule default"
@@ -296,4 +369,7 @@ def validate_args(args: argparse.Namespace) -> PluginConfig:
     )
     if runtime:
         _check_schedule(cfg, args)
+        graph_flag = _per_layer_graphs(args)
+        if graph_flag is not None:  # only TransformerEngine's are left: local and split schedules are refused above
+            _check_transformer_engine_graph_order(cfg, args, graph_flag)
     return cfg
