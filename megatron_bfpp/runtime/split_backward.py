@@ -11,10 +11,9 @@ Two ways to split, chosen per chunk by the runtime:
   weights themselves, so their grad-accumulation hooks fire and Megatron's DDP and the sharded wrapper add
   them into `main_grad` exactly as for a B. This is the scheme of TransformerEngine's delayed weight
   gradients, and it costs an autograd call per W (per weight for large ones), not a second graph traversal.
-- Model-agnostic, on the autograd graph (chunks without Megatron-Core modules), with PyTorch pipelining's
-  `stage_backward_input`: I computes the input gradient with the graph kept and records, per group of
-  weights, the gradients flowing into the intermediate nodes they depend on; W runs the rest of the graph
-  from those intermediates down to the weights with `torch.autograd.backward(..., inputs=weights)`. Stage 0
+- Model-agnostic, on the autograd graph (chunks without Megatron-Core modules; `graph_split`): I computes the
+  input gradient with the graph kept and records, per group of weights, the gradients flowing into the
+  intermediate nodes they feed; W runs the rest of the graph from those intermediates down to the weights. Stage 0
   has no input tensor to differentiate: its I does nothing and its W is the whole backward.
 
 A linear defers unless it defers its embedding wgrad itself (a column-parallel linear at T > 1 sums its input
@@ -38,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge
-from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
+
+from .graph_split import WeightGroup, input_grad, weight_grads
 
 
 @dataclass
@@ -305,7 +304,7 @@ class PendingWeightGrad:
     gradient for a whole backward."""
 
     weights: list[torch.nn.Parameter]
-    param_groups: list[dict[str, Any]] | None = None
+    param_groups: list[WeightGroup] | None = None
     output: torch.Tensor | None = None
     output_grad: torch.Tensor | None = None
     deferred: list[DeferredWeightGrad] | None = None
@@ -337,9 +336,8 @@ def backward_input(input_tensor: torch.Tensor | None, output: torch.Tensor, outp
     output = _scaled(output, output_grad, config)
     if input_tensor is None or not output.requires_grad:
         return None, PendingWeightGrad(weights, output=output, output_grad=output_grad)
-    grads = None if output_grad is None else [output_grad]
-    dinputs, groups = stage_backward_input([output], grads, [input_tensor], iter(weights))
-    return dinputs[0], PendingWeightGrad(weights, param_groups=groups)
+    dinput, groups = input_grad(input_tensor, output, output_grad, weights)
+    return dinput, PendingWeightGrad(weights, param_groups=groups)
 
 
 # Largest number of weight-gradient elements a W hands to autograd in one call (see backward_weight).
@@ -369,24 +367,4 @@ def backward_weight(pending: PendingWeightGrad) -> None:
         if pending.output is not None and pending.output.requires_grad:
             torch.autograd.backward(pending.output, grad_tensors=pending.output_grad)
         return
-    weight_of = {_get_grad_fn_or_grad_acc(w): w for w in pending.weights}
-    for group in pending.param_groups:
-        edges, grads = [], []
-        for grads_tuple, node in zip(group.get("grads") or [], group["intermediates"]):
-            for i, g in enumerate(grads_tuple):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    grads.append(g)
-        handles = []
-        if len(group["intermediates"]) > 1:
-            # Feed each intermediate exactly the gradient saved at I, not what flows into it again from
-            # another intermediate of the group (which would count it twice).
-            for grads_tuple, node in zip(group["grads"], group["intermediates"]):
-                handles.append(node.register_prehook(lambda _g, saved=grads_tuple: saved))
-        try:
-            if edges:
-                torch.autograd.backward(edges, grad_tensors=grads, inputs=[weight_of[n] for n in group["params"]])
-        finally:
-            for h in handles:
-                h.remove()
-        group.clear()  # drop the kept graph state as soon as it is used
+    weight_grads(pending.param_groups, pending.weights)
