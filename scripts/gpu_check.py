@@ -4,6 +4,10 @@
              T = 1) measured on this device, next to the simulator's cost model for a hardware profile (default
              h200): the four weight GEMMs, core attention, the rest of the layer (elementwise work) and the
              whole Megatron-Core layer (TransformerEngine spec when importable on CUDA, else the local spec).
+    probe    prints what the check's commands depend on, one `key=value` a line: te_version (TransformerEngine's,
+             empty when `transformer_engine.pytorch` does not import) and apex_fused_wgrad (1 when apex's
+             fused_weight_gradient_mlp_cuda imports after torch, as Megatron-Core's tensor_parallel/layers.py
+             imports it; without it Megatron-LM's default gradient-accumulation fusion fails in ColumnParallelLinear).
     summary  reads the check's runs (NAME.cmd: the command, one argument per line; NAME.log; NAME.json: the
              trainer's --report-json when there is one), compares each run with its reference (losses within
              the stated bf16 tolerance, step-time ratio), compares peak memory with the planner's prediction,
@@ -39,6 +43,34 @@ ITERATION_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)$")
 ELAPSED_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 LOSS_RE = re.compile(r"lm loss: ([0-9.eE+-]+)")
 MEMORY_RE = re.compile(r"\(after \d+ iterations\) memory \(MB\) \| allocated: [0-9.]+ \| max allocated: ([0-9.]+)")
+
+
+# ------------------------------------------------------------------------------------------------ probe
+
+def probe() -> dict[str, str]:
+    """The environment facts the check's commands depend on (see the module docstring)."""
+    facts = {"te_version": "", "apex_fused_wgrad": "0"}
+    try:
+        import transformer_engine
+        import transformer_engine.pytorch  # noqa: F401  (the layers Megatron-LM builds)
+
+        facts["te_version"] = str(getattr(transformer_engine, "__version__", "unknown"))
+    except Exception:  # not installed, or built against another torch: Megatron-LM falls back to local layers
+        pass
+    try:
+        import torch  # noqa: F401  (the extension links against torch's libraries)
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+
+        facts["apex_fused_wgrad"] = "1"
+    except Exception:
+        pass
+    return facts
+
+
+def probe_main(a: argparse.Namespace) -> int:
+    for key, value in probe().items():
+        print(f"{key}={value}")
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------ layer
@@ -216,6 +248,7 @@ def run_config(args: list[str]) -> dict[str, Any]:
     pp = int(_flag(args, "--pipeline-model-parallel-size", "1"))
     vp = layers // pp // int(lpvs) if lpvs else 1
     bfpp = any(Path(x).name == "bfpp" for x in args) or "megatron_bfpp.train" in args
+    world = int(_flag(args, "--nproc-per-node", "1"))
     schedule = _flag(args, "--pipeline-schedule", "breadth-first" if bfpp else "default")
     zero = _flag(args, "--zero-stage")
     if zero is None:  # bfpp train defaults to ZeRO-1; Megatron without the plugin is plain DDP or its dist-opt
@@ -227,7 +260,7 @@ def run_config(args: list[str]) -> dict[str, Any]:
         "hidden_size": int(_flag(args, "--hidden-size")), "num_attention_heads": int(_flag(args, "--num-attention-heads")),
         "seq_length": int(_flag(args, "--seq-length")), "vocab_size": -(-vocab // div) * div,
         "micro_batch_size": int(_flag(args, "--micro-batch-size", "1")),
-        "global_batch_size": int(_flag(args, "--global-batch-size")), "pp": pp, "vp": vp,
+        "global_batch_size": int(_flag(args, "--global-batch-size")), "pp": pp, "vp": vp, "dp": max(world // pp, 1),
         "schedule": schedule, "zero_stage": int(zero),
     }
 
@@ -243,8 +276,9 @@ def predicted_peak_bytes(cfg: dict[str, Any], hardware: str) -> float:
         schedule = "1f1b" if cfg["vp"] == 1 else "interleaved-1f1b"
     model = GPTModel("check", cfg["num_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["seq_length"],
                      cfg["vocab_size"])
-    m = cfg["global_batch_size"] // cfg["micro_batch_size"]  # D = 1
-    c = Config(1, cfg["pp"], cfg["vp"], 1, cfg["micro_batch_size"], m, schedule, cfg["zero_stage"], False)
+    dp = cfg.get("dp", 1)
+    m = cfg["global_batch_size"] // (cfg["micro_batch_size"] * dp)  # per data-parallel rank
+    c = Config(1, cfg["pp"], cfg["vp"], dp, cfg["micro_batch_size"], m, schedule, cfg["zero_stage"], False)
     return max(r["total"] for r in memory(model, c))
 
 
@@ -298,11 +332,14 @@ def summary_main(a: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "tolerance": {"first_iteration_rtol": FIRST_ITERATION_RTOL, "all_iterations_rtol": ALL_ITERATIONS_RTOL,
                       "note": "relative |loss - reference loss| per iteration, bf16"},
-        "hardware_profile": a.hardware, "runs": [], "pairs": [], "failures": [],
+        "hardware_profile": a.hardware, "runs": [], "pairs": [], "failures": [], "not_run": list(a.not_run),
     }
     runs: dict[str, dict] = {}
     for pair in a.pair:
         name, _, ref = pair.partition("=")
+        if name in a.not_run or ref in a.not_run:  # out of the check's time budget: said so, not compared
+            result["pairs"].append({"run": name, "reference": ref, "not_run": True})
+            continue
         for n in (name, ref):
             if n not in runs:
                 runs[n] = read_run(out, n)
@@ -339,23 +376,27 @@ def summary_table(result: dict[str, Any]) -> str:
         return "-" if v is None else format(v, fmt)
 
     runs = {r["name"]: r for r in result["runs"]}
-    lines = [f"{'run':<14} {'reference':<14} {'iters':>5} {'loss[0]':>9} {'loss[-1]':>9} {'max rel':>9} "
+    w = max([len(p[k]) for p in result["pairs"] for k in ("run", "reference")] + [14])
+    lines = [f"{'run':<{w}} {'reference':<{w}} {'iters':>5} {'loss[0]':>9} {'loss[-1]':>9} {'max rel':>9} "
              f"{'ok':>3} {'step ms':>8} {'ref ms':>8} {'ratio':>6} {'peak GiB':>9} {'plan GiB':>9} {'ratio':>6}"]
     for p in result["pairs"]:
+        if p.get("not_run"):
+            lines.append(f"{p['run']:<{w}} {p['reference']:<{w}} not run (the check's time budget was spent)")
+            continue
         r = runs[p["run"]]
         losses = r["losses"]
         lines.append(
-            f"{p['run']:<14} {p['reference']:<14} {p['iterations']:>5} {f(losses[0] if losses else None, '.4f'):>9} "
+            f"{p['run']:<{w}} {p['reference']:<{w}} {p['iterations']:>5} {f(losses[0] if losses else None, '.4f'):>9} "
             f"{f(losses[-1] if losses else None, '.4f'):>9} {f(p['max_rel_diff'], '.2e'):>9} "
             f"{'yes' if p['losses_ok'] else 'NO':>3} {f(p['step_s'] and p['step_s'] * 1e3, '.1f'):>8} "
             f"{f(p['ref_step_s'] and p['ref_step_s'] * 1e3, '.1f'):>8} {f(p['step_time_ratio'], '.2f'):>6} "
             f"{f(r['peak_bytes'] and r['peak_bytes'] / 2**30, '.2f'):>9} "
             f"{f(r.get('predicted_peak_bytes') and r['predicted_peak_bytes'] / 2**30, '.2f'):>9} "
             f"{f(r.get('memory_ratio'), '.2f'):>6}")
-    refs = {p["reference"] for p in result["pairs"]}
+    refs = {p["reference"] for p in result["pairs"] if p["reference"] in runs}
     for name in sorted(refs):
         r = runs[name]
-        lines.append(f"{name:<14} {'(reference)':<14} {len(r['losses']):>5} "
+        lines.append(f"{name:<{w}} {'(reference)':<{w}} {len(r['losses']):>5} "
                      f"{f(r['losses'][0] if r['losses'] else None, '.4f'):>9} "
                      f"{f(r['losses'][-1] if r['losses'] else None, '.4f'):>9} {'':>9} {'':>3} {'':>8} {'':>8} {'':>6} "
                      f"{f(r['peak_bytes'] and r['peak_bytes'] / 2**30, '.2f'):>9} "
@@ -371,6 +412,8 @@ def summary_table(result: dict[str, Any]) -> str:
                   + (f"   [{lay.get('device', '?')}, {lay.get('spec', '?')} spec]" if "device" in lay else "")]
     for msg in result["failures"]:
         lines.append(f"FAILED: {msg}")
+    for name in result.get("not_run", []):
+        lines.append(f"NOT RUN: {name} (the check's time budget was spent)")
     return "\n".join(lines)
 
 
@@ -391,8 +434,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--out", required=True, help="the check's output directory")
     s.add_argument("--pair", action="append", default=[], metavar="RUN=REFERENCE")
     s.add_argument("--hardware", default="h200")
+    s.add_argument("--not-run", action="append", default=[], metavar="RUN",
+                   help="a run the check left out for its time budget (listed, not compared)")
+    sub.add_parser("probe", help="TransformerEngine's version and apex's fused weight-gradient kernel, key=value")
     a = p.parse_args(argv)
-    return layer_main(a) if a.cmd == "layer" else summary_main(a)
+    return {"layer": layer_main, "summary": summary_main, "probe": probe_main}[a.cmd](a)
 
 
 if __name__ == "__main__":
