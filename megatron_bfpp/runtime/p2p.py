@@ -26,15 +26,39 @@ def pipeline_ranks(pp_group: dist.ProcessGroup | None) -> list[int]:
     return dist.get_process_group_ranks(pp_group)
 
 
+# NCCL communicator settings (ProcessGroupNCCL.NCCLConfig in torch 2.14) that Megatron's
+# --nccl-communicator-config-path sets (megatron/core/parallel_state.py get_nccl_options: cga_cluster_size,
+# max_ctas, min_ctas, net_name) and NCCL's other tuning fields. Not copied: `blocking` (torch sets it from
+# TORCH_NCCL_USE_COMM_NONBLOCKING), `comm_name` and `split_share` (per communicator).
+NCCL_CONFIG_FIELDS = ("cga_cluster_size", "max_ctas", "min_ctas", "cta_policy", "nvls_ctas", "collnet_enable",
+                      "max_p2p_peers", "traffic_class", "net_name")
+
+
+def fresh_nccl_options(live: object, options_type: type | None = None) -> object:
+    """New NCCL options carrying the stream priority and the communicator settings of `live`, the options of an
+    existing group. A group's own options object cannot be reused: torch's `new_group`
+    (distributed_c10d.py `_create_nccl_process_group`) writes the new group's `_timeout`, `group_name`,
+    `global_ranks_in_group` and `split_from` into the object it is given."""
+    if options_type is None:
+        options_type = dist.ProcessGroupNCCL.Options
+    fresh = options_type(is_high_priority_stream=live.is_high_priority_stream)
+    for field in NCCL_CONFIG_FIELDS:
+        value = getattr(live.config, field, None)
+        if value is not None and hasattr(fresh.config, field):  # None: unset name; absent: older torch
+            setattr(fresh.config, field, value)
+    return fresh
+
+
 def _pipeline_pg_options(pp_group: dist.ProcessGroup) -> object | None:
-    """The NCCL options the pipeline group was created with (Megatron's --nccl-communicator-config-path), so the
+    """Fresh NCCL options with the pipeline group's settings (Megatron's --nccl-communicator-config-path), so the
     channel groups get the same; None on other backends or when torch does not expose them."""
+    if dist.get_backend(pp_group) != "nccl":
+        return None
     try:
-        if dist.get_backend(pp_group) != "nccl":
-            return None
-        return pp_group._get_backend(torch.device("cuda")).options
+        live = pp_group._get_backend(torch.device("cuda")).options
     except Exception:  # private API: fall back to defaults rather than fail
         return None
+    return fresh_nccl_options(live)
 
 
 def default_timeout_s() -> float | None:
@@ -55,8 +79,9 @@ def channel_groups(pp_group: dist.ProcessGroup, timeout_s: float | None = None,
     `new_group` is collective over the whole world, so all pipeline groups' rank lists are exchanged first and
     every rank creates every pair in the same order. The groups take the given timeout (default:
     --distributed-timeout-minutes) and the pipeline group's NCCL options. One all-reduce on each new group
-    initialises its communicator on all ranks: NCCL requires every rank of a group to take part in its first
-    batched p2p call, which a schedule's batch between two of P ranks would not.
+    initialises its communicator on all ranks (a collective and a coalesced p2p use the same one, keyed by device):
+    torch requires every rank of a group to take part in its first batched p2p call (`batch_isend_irecv`'s
+    docstring), which a schedule's batch between two of P ranks would not, and every post is one (`coalesced`).
     """
     mine = tuple(pipeline_ranks(pp_group))
     if mine in _CHANNEL_CACHE:
@@ -92,6 +117,29 @@ def reset_runtime_groups() -> None:
     _state["agreed"].clear()
 
 
+def coalesced(ops_in_post: int) -> bool:
+    """Whether `PipelineP2P.post` posts a post of `ops_in_post` ops (one schedule action, or one batch) inside a
+    coalescing group, i.e. as one `batch_isend_irecv`: always, a lone op too. The lowering batches per rank, so one
+    transfer can be a batch on one end and alone on the other; with every post coalesced, both ends run it on the
+    channel group's communicator (`nccl_communicator`), which is what `schedule/validate.py` assumes."""
+    return True
+
+
+def nccl_communicator(channel: str, rank: int, peer: int, in_coalescing_group: bool) -> str:
+    """Name of the NCCL communicator torch 2.14 runs one p2p op of `rank` with `peer` on, for a group created
+    without a bound device (lazy initialisation, what Megatron-LM's `initialize` and `bfpp train` create).
+
+    `batch_isend_irecv` (torch/distributed/distributed_c10d.py) issues its ops inside `_coalescing_manager`, which
+    calls `ProcessGroupNCCL._start_coalescing` and so opens an NCCL group (a 1-op list too: there is no special
+    case); `ProcessGroupNCCL::pointToPoint` (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp) inside a group
+    keys the communicator by device, i.e. the group's own over all its ranks; a lone `isend`/`irecv` outside one
+    is keyed by `getKeySendRecv` ("lowRank:highRank") and gets a 2-rank communicator of its own. The two
+    ends of a transfer meet only when both run it on one communicator."""
+    if in_coalescing_group:
+        return channel
+    return f"{channel}[{min(rank, peer)}:{max(rank, peer)}]"
+
+
 @dataclass
 class PendingTransfer:
     work: dist.Work | None
@@ -100,7 +148,7 @@ class PendingTransfer:
 
 
 class PipelineP2P:
-    """isend/irecv of activations and gradients to neighbour pipeline ranks, alone or as one batch."""
+    """isend/irecv of activations and gradients to neighbour pipeline ranks, each post one coalesced batch."""
 
     def __init__(self, pp_group: dist.ProcessGroup | None, device: torch.device, timeout_s: float | None = None):
         self.ranks = pipeline_ranks(pp_group)
@@ -137,12 +185,11 @@ class PipelineP2P:
         return dist.P2POp(dist.irecv, buf, peer, self._group(channel)), PendingTransfer(None, buf, peer)
 
     def post(self, ops: list[tuple[dist.P2POp, PendingTransfer]]) -> None:
-        """Post the ops in order: one alone, several as one `batch_isend_irecv` group (one NCCL group call)."""
-        if len(ops) == 1:
-            op, pending = ops[0]
-            pending.work = op.op(op.tensor, op.peer, group=op.group)
-            return
-        works = dist.batch_isend_irecv([op for op, _ in ops])
+        """Post the ops of one action or one batch of the schedule, in order, as one `batch_isend_irecv` call."""
+        if coalesced(len(ops)):
+            works = dist.batch_isend_irecv([op for op, _ in ops])
+        else:  # outside a coalescing group: each op alone (see `coalesced`)
+            works = [op.op(op.tensor, op.peer, group=op.group) for op, _ in ops]
         for k, (_, pending) in enumerate(ops):
             # NCCL returns one work for the whole coalesced group, gloo one per op.
             pending.work = works[k] if len(works) == len(ops) else works[-1]

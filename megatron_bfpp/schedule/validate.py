@@ -10,6 +10,10 @@ completes under event simulations of the backends:
   case for large messages); a batch is posted as one group; a p2p op starts after the computes posted before
   it (torch's NCCL stream waits on the compute stream); a compute waits for the receives it consumes. With
   `single_queue` (CUDA_DEVICE_MAX_CONNECTIONS=1) everything a rank posts runs in one queue, in order.
+  A communicator is an action's `comm`, one queue for lone actions and batches alike: exactly what the runtime
+  does, which posts every post as one `batch_isend_irecv` on the channel's process group, so that NCCL runs a
+  lone op on the group's communicator too and not on a 2-rank one of its own (`runtime/p2p.py`, `coalesced` and
+  `nccl_communicator`).
 Errors name the rank, the step (index in the rank's list), the action and, for deadlocks, the cycle.
 """
 
