@@ -303,14 +303,29 @@ def test_earlier_posting_order_is_rejected_at_p2():
 
 
 def test_sends_right_after_their_compute_deadlock_with_one_queue_per_rank():
-    """Breadth-first P = 4, V = 3, M = 16 with each send right after its compute: fine per communicator, but
-    with CUDA_DEVICE_MAX_CONNECTIONS=1 rank 0's stage-0 sends block the wrap-around receive from rank 3."""
+    """Breadth-first P = 4, V = 3, M = 16 with each send right after its compute: with
+    CUDA_DEVICE_MAX_CONNECTIONS=1 rank 0's stage-0 sends block the wrap-around receive from rank 3 (this order
+    deadlocks per communicator too; the test below has one that deadlocks with one queue per rank only)."""
     naive = _compute_only_lowering(build("breadth-first", 4, 3, 16))
     simulate_order(naive)
     with pytest.raises(ScheduleError, match=r"one queue per rank.*cycle") as e:
         simulate_nccl(naive, single_queue=True)
     assert "rank 3" in str(e.value) and "rank 0" in str(e.value)
     simulate_nccl(make_schedule("breadth-first", 4, 3, 16), single_queue=True)
+
+
+def test_validate_refuses_an_order_that_deadlocks_only_with_one_queue_per_rank():
+    """Rank 0 sends micro-batch 1's activation before receiving micro-batch 0's gradient; rank 1 sends that
+    gradient before receiving the activation. gloo buffers the sends and NCCL with one queue per communicator
+    runs activations and gradients apart: both complete. With CUDA_DEVICE_MAX_CONNECTIONS=1 each rank's queue
+    blocks at its send, waiting for a receive queued behind the other rank's send: `validate` must refuse it."""
+    s = Schedule.from_text("""# schedule=1f1b pp=2 vp=1 microbatches=2 lowered=1
+        rank 0: F0:0 SEND_F0:0 F0:1 SEND_F0:1 RECV_B0:0 B0:0 RECV_B0:1 B0:1
+        rank 1: RECV_F1:0 F1:0 B1:0 SEND_B1:0 RECV_F1:1 F1:1 B1:1 SEND_B1:1""")
+    simulate_order(s)
+    simulate_nccl(s, single_queue=False)
+    with pytest.raises(ScheduleError, match=r"one queue per rank.*SEND_F0:1 waits for rank 1 to post RECV_F1:1"):
+        validate(s)
 
 
 def test_batches_are_consecutive_on_one_communicator_in_json():
