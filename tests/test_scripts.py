@@ -337,6 +337,21 @@ def test_submit_52b_layout_follows_sbatch_N_and_is_checked(tmp_path: Path) -> No
     assert not [c for c in calls if c["tool"] == "srun" and any(a.endswith("node_launch.sh") for a in c["argv"])]
 
 
+@needs_mlm
+def test_submit_stops_when_the_in_job_check_rejects_the_flags(tmp_path: Path) -> None:
+    """The job's flag check on its first node (Megatron-LM's validation and the plugin's, run for real by the fake
+    srun) rejects --bfpp-weight-buffers 0: the job exits non-zero with the check's message and starts no
+    training step."""
+    r, calls = _submit(tmp_path, str(ROOT / "scripts" / "slurm" / "pretrain_1.3b.sbatch"),
+                       MEGATRON_LM_DIR=MEGATRON_LM_DIR, FAKE_SRUN_CHECK="run", EXTRA_ARGS="--bfpp-weight-buffers 0")
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "--bfpp-weight-buffers: must be >= 1 (got 0)" in r.stderr
+    assert "the project's check rejects the job's flags (above): nothing started" in r.stderr
+    sruns = [c["argv"] for c in calls if c["tool"] == "srun"]
+    assert any("megatron_bfpp.megatron.check" in a for a in sruns)  # the check ran, as an srun step
+    assert not [a for a in sruns if any(x.endswith("node_launch.sh") for x in a)]  # and nothing trained
+
+
 def test_submit_requeues_after_a_clean_early_exit(tmp_path: Path) -> None:
     mlm = _fake_megatron(tmp_path / "Megatron-LM")
     script = str(ROOT / "scripts" / "slurm" / "pretrain_1.3b.sbatch")
@@ -534,12 +549,29 @@ def test_ab_failed_variant_is_marked_failed_and_exits_nonzero(tmp_path: Path) ->
     r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", FAKE_AB_FAIL="plugin-bf-distopt")
     assert r.returncode == 1
     log = tmp_path / "ab" / "plugin-bf-distopt.rep1.log"
-    assert f"variant plugin-bf-distopt failed: exited with status 1 after 7 logged iteration(s); see {log}" in r.stderr
+    assert (f"variant plugin-bf-distopt failed: repetition 1: exited with status 1 after 7 logged iteration(s); "
+            f"see {log}") in r.stderr
     bad = rows["plugin-bf-distopt"]
     assert bad["status"] == "failed" and str(log) in bad["error"]
     assert bad["median_tokens_per_s"] == "" and bad["ratio_median_tokens_per_s"] == ""
     assert rows["stock"]["status"] == "ok" and rows["plugin-bf-zero3"]["status"] == "ok"
     assert (tmp_path / "ab" / "ab_megatron.png").is_file()
+
+
+@pytest.mark.parametrize("fault, why", [
+    ({"FAKE_AB_FAIL": "plugin-bf-zero3#2"}, "repetition 2: exited with status 1 after 7 logged iteration(s)"),
+    ({"FAKE_AB_STOP": "plugin-bf-zero3#2=5"}, "repetition 2: exited 0 after logging 5 of its 10 iterations (a partial log)"),
+], ids=["crash", "early-exit-0"])
+def test_ab_variant_failing_only_in_a_later_repetition_fails(tmp_path: Path, fault: dict, why: str) -> None:
+    """Repetition 1 of the variant is complete and fine; repetition 2 dies at iteration 7, or exits 0 after 5 of
+    its 10 iterations: the variant is failed (no medians from the partial log), named with that log."""
+    r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", **fault)
+    assert r.returncode == 1, r.stdout + r.stderr
+    log = tmp_path / "ab" / "plugin-bf-zero3.rep2.log"
+    bad = rows["plugin-bf-zero3"]
+    assert bad["status"] == "failed" and bad["error"] == f"{why}; see {log}", bad
+    assert bad["median_tokens_per_s"] == "" and f"variant plugin-bf-zero3 failed: {why}; see {log}" in r.stderr
+    assert rows["stock"]["status"] == "ok" and rows["plugin-bf-distopt"]["status"] == "ok"
 
 
 def test_ab_never_falls_back_to_warmup_iterations(tmp_path: Path) -> None:
@@ -551,10 +583,27 @@ def test_ab_never_falls_back_to_warmup_iterations(tmp_path: Path) -> None:
 
 def test_ab_first_iteration_loss_must_agree(tmp_path: Path) -> None:
     r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", FAKE_AB_LOSS="plugin-bf-zero3=10.9")
-    assert r.returncode == 1 and rows["plugin-bf-zero3"]["loss_check"].startswith("mismatch: 10.9 vs 10.5")
+    assert r.returncode == 1 and rows["plugin-bf-zero3"]["loss_check"].startswith("mismatch: lm loss 10.9 vs 10.5 at iteration 1")
     assert "did not train the same model" in r.stderr
-    r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", FAKE_AB_LOSS="plugin-bf-zero3=10.52")  # bf16 noise
-    assert r.returncode == 0 and rows["plugin-bf-zero3"]["loss_check"] == "ok"
+    # bf16 noise, at every iteration (loss and grad norm): the same model.
+    r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", FAKE_AB_LOSS="plugin-bf-zero3=10.52",
+                       FAKE_AB_DRIFT="plugin-bf-zero3=0.005", FAKE_AB_GNORM="plugin-bf-zero3=1.236")
+    assert r.returncode == 0 and rows["plugin-bf-zero3"]["loss_check"] == "ok", r.stderr
+
+
+@pytest.mark.parametrize("env, problem", [
+    # The same first loss (any fresh GPT of this vocabulary starts there), then another curve: 0.05 per iteration
+    # apart reaches the 2e-2 bf16 tolerance by iteration 6.
+    ({"FAKE_AB_DRIFT": "plugin-bf-zero3=0.05"}, "lm loss 10.25 vs 10 at iteration 6 (beyond --loss-rtol-all 0.02)"),
+    # The same losses, other gradients: another model (or other data) under the same loss curve.
+    ({"FAKE_AB_GNORM": "plugin-bf-zero3=1.5"}, "grad norm 1.5 vs 1.234 at iteration 1 (beyond --loss-rtol 0.005)"),
+], ids=["loss-curve", "grad-norm"])
+def test_ab_same_model_is_checked_over_every_iteration(tmp_path: Path, env: dict, problem: str) -> None:
+    r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", **env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert rows["plugin-bf-zero3"]["loss_check"] == f"mismatch: {problem} (stock)", rows["plugin-bf-zero3"]
+    assert f"variant plugin-bf-zero3: {problem} against stock: the variants did not train the same model" in r.stderr
+    assert rows["plugin-bf-distopt"]["loss_check"] == "ok"  # within the tolerance: test_ab_first_iteration_...
 
 
 def test_ab_log_records_how_many_linear_layers_deferred() -> None:
