@@ -9,7 +9,7 @@ import pytest
 
 from megatron_bfpp.sim import Config, get_hardware, get_model, plan, predict
 from megatron_bfpp.sim.cli import simulate_main
-from megatron_bfpp.sim.model import EVEN_STAGES, Partition, StageSplit, stage_layer_counts
+from megatron_bfpp.sim.model import EVEN_STAGES, GPTModel, Partition, StageSplit, stage_layer_counts
 from megatron_bfpp.sim.planner import SearchSpace
 from megatron_bfpp.sim.predict import memory
 
@@ -124,6 +124,56 @@ def test_simulate_cli_takes_megatrons_uneven_flags(capsys: pytest.CaptureFixture
     assert "--num-virtual-stages-per-pipeline-rank" in capsys.readouterr().err
 
 
+def _megatron_layouts(num_layers: int, split: StageSplit, pps: range) -> set[tuple[int, int]]:
+    """Every (P, V) Megatron-Core builds for this split, found from its own layer counts (and Megatron-LM's
+    argument checks above them), without the planner: the reference its search must cover."""
+    ends = split.first_pipeline_num_layers is not None or split.last_pipeline_num_layers is not None
+    both_ends = split.first_pipeline_num_layers is not None and split.last_pipeline_num_layers is not None
+    out = set()
+    for pp in pps:
+        for vp in range(1, num_layers + 3):
+            if (split.even and vp > 1 and num_layers % (pp * vp)) or (pp == 1 and (vp > 1 or ends)):
+                continue  # Megatron-LM's argument validation refuses these
+            if both_ends and vp > 1 and pp == 2:
+                continue  # Megatron-Core's get_transformer_layer_offset divides by zero middle ranks
+            counts = _megatron_counts(num_layers, pp, vp, split)
+            if counts is not None and min(counts) >= 0:
+                out.add((pp, vp))
+    return out
+
+
+def _planner_layouts(model, split: StageSplit) -> set[tuple[int, int]]:
+    """The (P, V) the planner's enumeration reaches, on a machine where every P fits (GPUs and batch a common
+    multiple of every P, one micro-batch per pipeline rank)."""
+    from math import lcm
+
+    from megatron_bfpp.sim.planner import enumerate_configs
+
+    gpus = lcm(*range(1, model.num_layers + 3))
+    space = SearchSpace(schedules=("1f1b", "breadth-first"), zero_stages=(0,), tp_sizes=(1,), micro_batch_sizes=(1,),
+                        recompute=(False,), search_group_size=False, split=split)
+    configs, _ = enumerate_configs(model, A100, gpus, gpus, space)
+    return {(c.pp, c.vp) for c in configs}
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_planner_reaches_every_layout_megatron_builds(split: StageSplit) -> None:
+    """14 layers, every P and V: the planner's candidate layouts are exactly those Megatron-Core builds."""
+    model = GPTModel("fourteen", 14, 256, 4)
+    want = _megatron_layouts(model.num_layers, split, range(1, model.num_layers + 3))
+    assert len(want) >= 4
+    assert _planner_layouts(model, split) == want
+
+
+def test_planner_reaches_52b_with_standalone_embedding_and_loss_stages() -> None:
+    """52B at P = 2 with the embedding and the loss counted as layers: V = 1, 3, 11 and 33 (33 stages of 2 units,
+    the first holding the embedding alone and the last the output layer alone)."""
+    split = StageSplit(account_for_embedding=True, account_for_loss=True)
+    want = _megatron_layouts(GPT52.num_layers, split, range(2, 3))
+    assert want == {(2, 1), (2, 3), (2, 11), (2, 33)}
+    assert {(p, v) for p, v in _planner_layouts(GPT52, split) if p == 2} == want
+
+
 @pytest.mark.parametrize("split", [StageSplit(account_for_embedding=True, account_for_loss=True),
                                    StageSplit(first_pipeline_num_layers=4)], ids=str)
 def test_plan_over_uneven_stages_is_exact(split: StageSplit) -> None:
@@ -135,6 +185,9 @@ def test_plan_over_uneven_stages_is_exact(split: StageSplit) -> None:
                         split=split)
     res = plan(model, hw, 16, 32, space, top=3)
     configs, _ = enumerate_configs(model, hw, 16, 32, space)
+    # The brute force covers every layout Megatron-Core builds on 16 GPUs (found without the planner).
+    assert {(c.pp, c.vp) for c in configs} == {
+        (p, v) for p, v in _megatron_layouts(model.num_layers, split, range(1, 17)) if 16 % p == 0}
     ref = sorted((p for p in (predict(model, hw, c) for c in configs) if p.fits), key=lambda p: -p.tflops_per_gpu)
     assert any(not p.config.partition(model).split.even for p in ref)
     assert [p.tflops_per_gpu for p in res.candidates] == pytest.approx([p.tflops_per_gpu for p in ref[:3]], rel=1e-12)
