@@ -65,8 +65,9 @@ class Action:
     """One step of a rank's list. For p2p ops the list order is the order the rank posts them in.
 
     `batch`: p2p actions posted together as one `batch_isend_irecv` group are consecutive and share a value
-    (None: posted alone). `channel`: the communicator, when not the op's default (`DEFAULT_CHANNEL`). Neither
-    takes part in equality: an action is identified by (op, stage, microbatch).
+    (None: posted alone, which the runtime does as a `batch_isend_irecv` of one op). `channel`: the
+    communicator, when not the op's default (`DEFAULT_CHANNEL`). Neither takes part in equality: an action is
+    identified by (op, stage, microbatch).
     """
 
     op: Op
