@@ -102,6 +102,9 @@ class Trainer:
         config = get_model_config(chunks[0])  # the config the chunks share: the runtime reads hooks from it
 
         ddp_config = get_megatron_ddp_config(a)
+        # train_step checks loss and gradients itself, on every rank (one error naming the ranks), instead of
+        # Megatron's per-bucket check through the rerun state machine (sharded.finalize.check_grads).
+        ddp_config.check_for_nan_in_grad = False
         # The schedule's buffer bounds, also held by the chunks so that they hold whoever drives them.
         wrapped = [ShardedDataParallel(config, ddp_config, c, zero_stage=a.zero_stage,
                                        weight_buffers=a.bfpp_weight_buffers or 2,

@@ -8,6 +8,11 @@ appends one JSON line per call to `$BFPP_PRETRAIN_RECORD` on the last rank: iter
 `loss_dict`, grad norm, params norm, num zeros, loss scale, skipped iteration. Then it runs SCRIPT as
 `__main__` (a patched checkout) or, with `--launch`, through `python -m megatron_bfpp.launch` (unpatched).
 
+Fault injection (test-only, the same for stock and plugin runs): `BFPP_PRETRAIN_NAN_GRAD=ITER:NAME` turns the
+first element of the gradient of every parameter whose name contains NAME into NaN during iteration ITER
+(1-based, as logged; every run of that iteration, reruns included), through a tensor hook on the parameter:
+autograd hands the NaN to whatever accumulates the gradient (Megatron's DDP, the sharded wrapper).
+
 Test helper only; the CPU shim (`tests/cpu_shim`) is loaded separately through PYTHONPATH.
 """
 
@@ -54,6 +59,35 @@ def _record_training_log(path: str) -> None:
     training.training_log = training_log
 
 
+def _nan_first(grad):
+    grad = grad.clone()
+    grad.view(-1)[0] = float("nan")
+    return grad
+
+
+def _inject_nan_grad(spec: str) -> None:
+    import megatron.training.training as training
+
+    target, name = spec.split(":", 1)
+    original = training.train_step
+
+    def train_step(forward_step_func, data_iterator, model, *args, **kwargs):
+        # train() passes the number of iterations done so far; the log line of this step says iteration + 1.
+        handles = []
+        if kwargs.get("iteration") is not None and kwargs["iteration"] + 1 == int(target):
+            handles = [p.register_hook(_nan_first) for chunk in model for n, p in chunk.named_parameters()
+                       if name in n]
+            print(f"[pretrain_runner] NaN gradient injected into {len(handles)} parameter(s) matching {name!r}",
+                  flush=True)
+        try:
+            return original(forward_step_func, data_iterator, model, *args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+
+    training.train_step = train_step
+
+
 def main() -> None:
     argv = sys.argv[1:]
     launch = bool(argv) and argv[0] == "--launch"
@@ -64,6 +98,8 @@ def main() -> None:
     record = os.environ.get("BFPP_PRETRAIN_RECORD")
     if record:
         _record_training_log(record)
+    if os.environ.get("BFPP_PRETRAIN_NAN_GRAD"):
+        _inject_nan_grad(os.environ["BFPP_PRETRAIN_NAN_GRAD"])
     try:
         if launch:
             from megatron_bfpp.launch import main as launch_main

@@ -72,6 +72,7 @@ class Run:
     name: str
     output: str
     seconds: float
+    returncode: int = 0
     records: list[dict] = field(default_factory=list)
     log: dict[int, dict] = field(default_factory=dict)  # iteration -> parsed Megatron log line
     validation: dict[int, float] = field(default_factory=dict)
@@ -109,10 +110,12 @@ class Runner:
         self.cache: dict[tuple, Run] = {}
         self.count = 0
 
-    def run(self, mode: str, args: list[str], nproc: int = 2, expect_ok: bool = True, timeout: int = 240) -> Run:
+    def run(self, mode: str, args: list[str], nproc: int = 2, expect_ok: bool = True, timeout: int = 240,
+            extra_env: dict[str, str] | None = None) -> Run:
         """mode: 'stock' (original script, unmodified), 'patched' (our patch series) or 'launch' (original
-        script through python -m megatron_bfpp.launch)."""
-        key = (mode, tuple(args), nproc, expect_ok)
+        script through python -m megatron_bfpp.launch). `extra_env`: extra variables for the runner (e.g. its
+        test-only fault injection, BFPP_PRETRAIN_NAN_GRAD)."""
+        key = (mode, tuple(args), nproc, expect_ok, tuple(sorted((extra_env or {}).items())))
         if key in self.cache:
             return self.cache[key]
         self.count += 1
@@ -125,10 +128,10 @@ class Runner:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("BFPP_", "MASTER_", "TORCHELASTIC"))}
         env.update(PYTHONPATH=subprocess_pythonpath(str(SHIM)), BFPP_CPU_SHIM="1", BFPP_PRETRAIN_RECORD=str(record),
                    CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                   PYTHONDONTWRITEBYTECODE="1")
+                   PYTHONDONTWRITEBYTECODE="1", **(extra_env or {}))
         start = time.monotonic()
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=self.workdir, timeout=timeout)
-        run = Run(name, r.stdout + r.stderr, time.monotonic() - start)
+        run = Run(name, r.stdout + r.stderr, time.monotonic() - start, r.returncode)
         (self.workdir / f"{name}.log").write_text(" ".join(cmd) + "\n\n" + run.output)
         if expect_ok:
             assert r.returncode == 0, f"{name} failed (exit {r.returncode}): {' '.join(args)}\n{_tail(run.output)}"

@@ -8,6 +8,7 @@ to Megatron flag names.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 from dataclasses import dataclass
@@ -82,6 +83,20 @@ def _dp_size(args: argparse.Namespace) -> int:
     return int(args.data_parallel_size) * int(getattr(args, "gtp_weight_remat_size", 1) or 1)
 
 
+def _megatron_ramps_up() -> bool:
+    """Whether this megatron-core runs a batch-size ramp-up from --rampup-batch-size. Up to 0.16 its
+    num-microbatches calculator builder takes `rampup_batch_size` and builds a ramp-up calculator; from 0.19
+    the flag is deprecated and ignored (megatron/core/num_microbatches_calculator.py: the builder has no such
+    parameter, and Megatron-LM's global_vars no longer passes it), so every step runs --global-batch-size.
+    Without megatron-core, count the ramp-up's sizes too (a refusal there is at worst too strict)."""
+    try:
+        from megatron.core import num_microbatches_calculator as calculators
+    except ImportError:
+        return True
+    builder = getattr(calculators, "_build_num_microbatches_calculator", None)
+    return builder is None or "rampup_batch_size" in inspect.signature(builder).parameters
+
+
 def _global_batch_sizes(args: argparse.Namespace) -> list[int]:
     """Every global batch size training can use: the target plus batch-size ramp-up / step schedule entries."""
     steps = getattr(args, "step_batch_size_schedule", None)  # 0.19: "THRESHOLD:BS THRESHOLD:BS ..."
@@ -89,7 +104,7 @@ def _global_batch_sizes(args: argparse.Namespace) -> list[int]:
         return sorted({int(item.split(":")[1]) for item in str(steps).split()})
     sizes = [int(args.global_batch_size)]
     rampup = getattr(args, "rampup_batch_size", None)  # 0.16: [start, increment, samples]
-    if rampup:
+    if rampup and _megatron_ramps_up():
         start, increment = int(rampup[0]), int(rampup[1])
         sizes += list(range(start, int(args.global_batch_size), max(increment, 1)))
     return sorted(set(sizes))

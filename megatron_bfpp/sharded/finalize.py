@@ -3,6 +3,8 @@
 The runtime calls `config.finalize_model_grads_func` once after a training schedule run. Here it:
 1. finishes data-parallel reduction: any gradient not reduced yet is reduce-scattered, every outstanding
    reduce is waited for, and replicated (tied) parameters' gradients are averaged over data parallelism;
+   then, as Megatron's `_ParamAndGradBucketGroup.check_grads` under `--check-for-nan-in-loss-and-grad` /
+   `--check-for-large-grads`, validates each bucket's gradient norm through Megatron's rerun state machine;
 2. sums over tensor-parallel ranks the gradients Megatron sums there (sequence-parallel and qk-layernorm
    parameters; `average_gradients_across_tp_domain` ones are averaged), on the gradient shards;
 3. sums tied-embedding gradients over the embedding group (first and last pipeline stage);
@@ -11,6 +13,7 @@ The runtime calls `config.finalize_model_grads_func` once after a training sched
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -45,6 +48,7 @@ def finalize_model_grads(
 
     for c in chunks:
         c.finish_grad_sync(force_all_reduce=force_all_reduce)
+    check_grads(chunks)
     _allreduce_tensor_parallel_replicated_grads(chunks, tp_group)
     _allreduce_tied_embedding_grads(chunks, embd_group)
 
@@ -58,6 +62,50 @@ def finalize_model_grads(
         scaling = 1.0 / torch.clamp(num_tokens, min=1)
         for c in chunks:
             c.scale_gradients(scaling)
+
+
+def check_grads(chunks: Sequence[ShardedDataParallel]) -> None:
+    """Megatron's gradient check (`_ParamAndGradBucketGroup.check_grads`, megatron/core/distributed/
+    param_and_grad_buffer.py), on what this rank owns once the data-parallel reduction has landed: each flat
+    buffer's fp32 gradient shard, and the chunk's replicated (tied) gradients as one more bucket.
+
+    Megatron checks each rank's local bucket before its collective; here the gradients are reduce-scattered at
+    the schedule's REDUCE actions, several per step, so the check waits for the step's last one and runs once
+    per bucket at finish (a NaN or Inf in any rank's contribution reaches the shard that owns the element), as
+    Megatron's does once per bucket group. Same rerun-state-machine calls, messages, tolerance and fatality:
+    with `--rerun-mode validate_results` (Megatron's default) the step is re-run and the job saves and exits
+    instead of applying the update; with `--rerun-mode disabled` a RuntimeError is raised."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    for c in chunks:
+        nan_or_inf = bool(getattr(c.ddp_config, "check_for_nan_in_grad", False))
+        large = bool(getattr(c.ddp_config, "check_for_large_grads", False))
+        if not (nan_or_inf or large):
+            continue
+        rerun_state_machine = get_rerun_state_machine()
+        norms = [b.gbuf.main_grad_shard.norm(p=2) for b in c.flat_buffers]
+        if c.owned_replicated_params:
+            norms.append(torch.stack([p.main_grad.norm(p=2) for p in c.owned_replicated_params]).norm(p=2))
+        for i, grad_norm in enumerate(norms):
+            where = f"bucket #{i} in backward pass after the data-parallel reduction"
+            if nan_or_inf:
+                rerun_state_machine.validate_result(
+                    result=grad_norm, rejection_func=torch.isnan,
+                    message=f"found NaN in local grad norm for {where}",
+                    tolerance=0.001, fatal=True,
+                )
+                rerun_state_machine.validate_result(
+                    result=grad_norm, rejection_func=torch.isinf,
+                    message=f"found Inf in local grad norm for {where}",
+                    tolerance=0.001, fatal=True,
+                )
+            if large:
+                rerun_state_machine.validate_result(
+                    result=grad_norm,
+                    rejection_func=partial(rerun_state_machine.is_unexpectedly_large, threshold=10, context="grads"),
+                    message=f"found unexpected large grads in {where}",
+                    tolerance=0.001, fatal=False,
+                )
 
 
 def _needs_tp_reduction(param: torch.nn.Parameter, name: str, config: Any) -> str | None:

@@ -70,6 +70,20 @@ def _is_tp_duplicate(p: torch.nn.Parameter, tp_group) -> bool:
     return comm.group_rank(tp_group) != 0
 
 
+def _expose_main_param(param: torch.nn.Parameter, main_param: torch.Tensor | None, sharded: bool) -> None:
+    """Point a 16-bit parameter at its fp32 master weights the way Megatron's optimizers do, so that what reads
+    them (Megatron-LM's `calc_params_l2_norm` under --bf16, megatron/training/utils/common_utils.py
+    `_get_param_data`) sees the masters: `main_param` is this rank's piece of the master (None where it
+    holds none) with `main_param_sharded` (the norm is then summed over data parallelism), as
+    `DistributedOptimizer` sets them (megatron/core/optimizer/distrib_optimizer.py); a replicated
+    parameter's whole master, unsharded, as `Float16OptimizerWithFloat16Params`. fp32 parameters are their
+    own masters and get nothing, as in Megatron."""
+    if param.dtype not in (torch.float16, torch.bfloat16):
+        return
+    param.main_param = main_param
+    param.main_param_sharded = sharded
+
+
 class ShardedOptimizer(MegatronOptimizer):
     """Mixed-precision sharded Adam/AdamW over `ShardedDataParallel` chunks (one rank's model chunks)."""
 
@@ -137,12 +151,15 @@ class ShardedOptimizer(MegatronOptimizer):
                 }
                 self._bucket_state.append((ci, b, st))
                 for slot in b.pbuf.layout.slots:
-                    self._param_loc[b.pbuf.params[slot.index]] = ("shard", ci, bi, slot, st, b)
+                    p = b.pbuf.params[slot.index]
+                    self._param_loc[p] = ("shard", ci, bi, slot, st, b)
+                    _expose_main_param(p, None, sharded=True)  # replaced below where this rank holds a piece
                 for piece in b.pbuf.layout.pieces(c.dp_rank):
                     p = b.pbuf.params[piece.slot.index]
                     if p not in group_of:
                         raise ValueError(f"parameter {c.param_names[p]!r} is in no optimizer parameter group")
                     sl = slice(piece.shard_lo, piece.shard_hi)
+                    _expose_main_param(p, st["main_param"][sl], sharded=True)
                     self._segments[group_of[p]].append(_Segment(
                         p, st["main_param"][sl], b.gbuf.main_grad_shard[sl], st["exp_avg"][sl],
                         st["exp_avg_sq"][sl], counts_in_norm=not _is_tp_duplicate(p, self.tp_group),
@@ -154,6 +171,7 @@ class ShardedOptimizer(MegatronOptimizer):
                 st = {"main_param": master, "exp_avg": torch.zeros_like(master),
                       "exp_avg_sq": torch.zeros_like(master)}
                 self._param_loc[p] = ("replicated", st)
+                _expose_main_param(p, master, sharded=False)
                 # Counted once: on data-parallel rank 0, not for Megatron's duplicate copy (`shared`).
                 counts = (self.dp_rank == 0 and not getattr(p, "shared", False)
                           and not _is_tp_duplicate(p, self.tp_group))
