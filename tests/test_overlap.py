@@ -7,6 +7,14 @@ after the stage's last backward, before the next compute starts. The same run wi
 made a no-op (parameters gathered lazily when first needed) fails the prefetch check, and with REDUCE made a
 no-op (everything reduced at the end) fails the reduce check: the checks see what the collectives did, not
 where the schedule's actions were recorded.
+
+Asynchrony itself: the second data-parallel replica launches each collective DELAY late (it sleeps first), so
+on the first replica, the observer, a collective cannot complete before DELAY after its launch. There each
+launch must return before its collective completes (not complete when the call returns), and each
+collective's launch-to-completion interval must contain compute of the same rank (an F or B running), unless
+the schedule gives it nothing to hide behind: a gather whose very next compute is its own stage's, a
+reduce-scatter after the rank's last compute. A blocking collective (the same run with `sharded.comm`'s
+launches waiting for their work before returning) fails both.
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ BASE = ("--num-layers 4 --hidden-size 16 --num-attention-heads 2 --seq-length 16
         f"--micro-batch-size 1 --global-batch-size {M * D} --train-iters 1 --lr 1e-3 --seed 5 --vocab-size 64 "
         f"--mock-data --pipeline-model-parallel-size {P} --num-layers-per-virtual-pipeline-stage 1 "
         "--pipeline-schedule breadth-first --zero-stage 3 --log-interval 100").split()
-MUTATIONS = (None, "lazy-gather", "late-reduce")
+MUTATIONS = (None, "lazy-gather", "late-reduce", "blocking")
+DELAY = 0.03  # seconds the second data-parallel replica waits before launching each collective
 
 
 def _worker(rank: int, world: int) -> list:
@@ -66,16 +75,29 @@ def _worker(rank: int, world: int) -> list:
     comm.Pending.wait = wait
 
     def observed(kind, launch):
-        def wrapper(*args, **kwargs):
+        def wrapper(out, inp, group, *args, **kwargs):
+            observer = comm.group_rank(group) == 0
+            if not observer:
+                time.sleep(DELAY)
             t = time.time()
-            pending = launch(*args, **kwargs)
-            rec = {"kind": kind, "chunk": current[0], "launch": t, "done": None}
+            pending = launch(out, inp, group, *args, **kwargs)
+            returned = time.time()
+            rec = {"kind": kind, "chunk": current[0], "launch": t, "returned": returned, "done": None,
+                   "observer": observer}
             records.append(rec)
-            if pending.work is not None:
+            if pending.work is None or pending.work.is_completed():
+                rec["done"] = returned  # complete when the launch returned (None: run synchronously)
+            else:
                 in_flight.append((rec, pending.work))
-                pending._observed = rec
+            pending._observed = rec
             return pending
         return wrapper
+
+    def blocking(fn, tensors, unrecorded=()):  # the mutation: every launch waits for its collective
+        work = originals["launch"](fn, tensors, unrecorded)
+        if work is not None:
+            work.wait()
+        return work
 
     def in_chunk(method):
         def wrapper(self, *args, **kwargs):
@@ -88,7 +110,8 @@ def _worker(rank: int, world: int) -> list:
 
     originals = {"ag": comm.all_gather, "rs": comm.reduce_scatter,
                  "spg": ShardedDataParallel.start_param_gather, "sgs": ShardedDataParallel.start_grad_sync,
-                 "gather": ShardedDriver.gather, "reduce": ShardedDriver.reduce, "set_recorder": runtime.set_recorder}
+                 "gather": ShardedDriver.gather, "reduce": ShardedDriver.reduce, "set_recorder": runtime.set_recorder,
+                 "launch": comm._launch}
     comm.all_gather = observed("gather", originals["ag"])
     comm.reduce_scatter = observed("reduce", originals["rs"])
     ShardedDataParallel.start_param_gather = in_chunk(originals["spg"])
@@ -99,6 +122,7 @@ def _worker(rank: int, world: int) -> list:
     for mutation in MUTATIONS:
         ShardedDriver.gather = (lambda self, chunk: None) if mutation == "lazy-gather" else originals["gather"]
         ShardedDriver.reduce = (lambda self, chunk: None) if mutation == "late-reduce" else originals["reduce"]
+        comm._launch = blocking if mutation == "blocking" else originals["launch"]
         records.clear()
         trainer = Trainer(parse_trainer_args(BASE, world_size=world))
         trainer.run()
@@ -110,6 +134,7 @@ def _worker(rank: int, world: int) -> list:
         results.append({"events": events, "collectives": colls})
         parallel.destroy_parallel()
     ShardedDriver.gather, ShardedDriver.reduce = originals["gather"], originals["reduce"]
+    comm._launch = originals["launch"]
     stop.set()
     poller.join()
     return results
@@ -144,6 +169,29 @@ def overlap_problems(events: list[dict], collectives: list[dict]) -> list[str]:
     return problems
 
 
+def asynchrony_problems(events: list[dict], collectives: list[dict]) -> list[str]:
+    """On the observer replica (whose peer launches DELAY late): a collective complete when its launch returned,
+    or one whose launch-to-completion interval holds no compute of this rank although compute followed."""
+    computes = sorted((e for e in events if e["stream"] == "compute" and e["op"] in ("F", "B")),
+                      key=lambda e: e["start"])
+    lo = min(e["start"] for e in events)
+    problems = []
+    for c in (c for c in collectives if c["observer"] and c["stage"] is not None and c["launch"] >= lo):
+        what = f"{c['kind']} of stage {c['stage']} launched at {c['launch']:.6f}"
+        if c["done"] is None:
+            problems.append(f"{what}: no completion observed")
+            continue
+        if c["done"] <= c["returned"]:
+            problems.append(f"{what}: complete when its launch returned ({c['returned']:.6f}): blocking")
+        after = [e for e in computes if e["start"] >= c["returned"]]
+        if not after or (c["kind"] == "gather" and after[0]["stage"] == c["stage"]):
+            continue  # nothing the schedule could run while it is in flight
+        if not any(e["start"] < c["done"] and e["end"] > c["launch"] for e in computes):
+            problems.append(f"{what}, done at {c['done']:.6f}: no compute of this rank ran meanwhile "
+                            f"(next compute {after[0]['name']} at {after[0]['start']:.6f})")
+    return problems
+
+
 @pytest.fixture(scope="module")
 def runs():
     return run_distributed(_worker, P * D, timeout=600)
@@ -159,10 +207,25 @@ def test_prefetch_and_reduce_overlap_compute(runs):
 
 
 @pytest.mark.timeout(700)
-@pytest.mark.parametrize("mutation,needle", [("lazy-gather", "not prefetched"), ("late-reduce", "reduce-scatter")])
-def test_checks_fail_when_the_overlap_is_disabled(runs, mutation, needle):
+def test_collectives_are_asynchronous_and_hidden_behind_compute(runs):
+    observed = {"gather": 0, "reduce": 0}
+    for rank, per_run in enumerate(runs):
+        res = per_run[MUTATIONS.index(None)]
+        assert asynchrony_problems(res["events"], res["collectives"]) == [], rank
+        for c in res["collectives"]:
+            if c["observer"] and c["stage"] is not None:
+                observed[c["kind"]] += 1
+    assert observed["gather"] > 0 and observed["reduce"] > 0, observed
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("mutation,needle,check", [
+    ("lazy-gather", "not prefetched", overlap_problems), ("late-reduce", "reduce-scatter", overlap_problems),
+    ("blocking", "blocking", asynchrony_problems), ("blocking", "no compute of this rank ran", asynchrony_problems),
+])
+def test_checks_fail_when_the_overlap_is_disabled(runs, mutation, needle, check):
     found = []
     for per_run in runs:
         res = per_run[MUTATIONS.index(mutation)]
-        found += overlap_problems(res["events"], res["collectives"])
+        found += check(res["events"], res["collectives"])
     assert any(needle in p for p in found), found
