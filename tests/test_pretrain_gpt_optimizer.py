@@ -55,8 +55,8 @@ def _nan_outcome(run: Run) -> tuple:
 
 @needs_checkout
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("schedule,zeros", [("breadth-first", "123"), ("interleaved-zb", "3")])
-def test_nan_gradient_is_caught_like_stock(mlm: Runner, schedule: str, zeros: str) -> None:
+@pytest.mark.parametrize("schedule", ["breadth-first", "interleaved-zb"])
+def test_nan_gradient_is_caught_like_stock(mlm: Runner, schedule: str) -> None:
     """A NaN in one gradient at iteration 2: stock reports it from its gradient check ("found NaN in local grad
     norm for bucket ..."), reruns the step through the rerun state machine, finds it again, saves a checkpoint
     of the weights before the step and exits 16 (EXIT_CODE_RESUME_TO_DISAMBIGUATE). ZeRO-1/2/3 under the
@@ -68,7 +68,7 @@ def test_nan_gradient_is_caught_like_stock(mlm: Runner, schedule: str, zeros: st
     assert ref.returncode != 0
     ref_weights = _model_weights(mlm.workdir / "nan-stock")
     assert ref_weights and all(torch.isfinite(v).all() for v in ref_weights.values())
-    for zero in zeros:  # the check runs at finalize, the same code under every schedule: ZeRO-3 for the split one
+    for zero in ("1", "2", "3"):
         ckpt = mlm.workdir / f"nan-{schedule}-zero{zero}"
         run = _nan_run(mlm, "patched", ["--pipeline-schedule", schedule, "--zero-stage", zero], ckpt)
         assert f"installed pipeline schedule {schedule}" in run.output, _tail(run.output)
