@@ -27,6 +27,12 @@ Tied embeddings (`shared_embedding = True`, possibly the same Parameter in two c
 outside the flat buffers, replicated, with a persistent fp32 `main_grad`; `finish_grad_sync` averages them
 over data parallelism with an all-reduce and `finalize.finalize_model_grads` sums them over the embedding
 group.
+
+Expert-parallel (MoE) parameters (Megatron marks them `allreduce = False`) differ between expert-parallel
+ranks, so, as in Megatron's DDP (`expert_parallel_buffers`), they get flat buffers of their own, sharded over
+the expert-data-parallel group; the gradients are pre-scaled so that the reduced result is the average over
+the whole data-parallel group (each expert saw the tokens of every rank of its expert-parallel group). Both
+kinds of buffer of a chunk are gathered, released and reduced at the same schedule actions.
 """
 
 from __future__ import annotations
@@ -81,7 +87,8 @@ def resolve_zero_stage(zero_stage: int | None, ddp_config: Any) -> int:
 
 
 def resolve_groups(pg_collection: Any) -> dict[str, Any]:
-    """dp / tp / pp / mp / embd process groups from a ProcessGroupCollection or Megatron's parallel_state."""
+    """dp / tp / pp / mp / embd process groups, and the expert-parallel parameters' expt_dp / expt_tp (None when
+    not set up), from a ProcessGroupCollection or Megatron's parallel_state."""
     if pg_collection is not None:
         dp = getattr(pg_collection, "dp_cp", None) or getattr(pg_collection, "dp", None)
         if dp is None:
@@ -92,6 +99,8 @@ def resolve_groups(pg_collection: Any) -> dict[str, Any]:
             "pp": getattr(pg_collection, "pp", None),
             "mp": getattr(pg_collection, "mp", None),
             "embd": getattr(pg_collection, "embd", None),
+            "expt_dp": getattr(pg_collection, "expt_dp", None),
+            "expt_tp": getattr(pg_collection, "expt_tp", None),
         }
     from megatron.core import parallel_state as ps
 
@@ -107,7 +116,15 @@ def resolve_groups(pg_collection: Any) -> dict[str, Any]:
         "pp": ps.get_pipeline_model_parallel_group(),
         "mp": ps.get_model_parallel_group(),
         "embd": ps.get_embedding_group(check_initialized=False),
+        "expt_dp": ps.get_expert_data_parallel_group(check_initialized=False),
+        "expt_tp": ps.get_expert_tensor_parallel_group(check_initialized=False),
     }
+
+
+def is_expert_parallel(param: torch.nn.Parameter) -> bool:
+    """Megatron's marker of an expert-parallel (MoE) parameter: it is not all-reduced over data parallelism
+    (`allreduce = False`), but over the expert-data-parallel group."""
+    return not getattr(param, "allreduce", True)
 
 
 @contextlib.contextmanager
@@ -181,11 +198,16 @@ class BufferBudget:
 
 
 class _Bucket:
-    """Flat parameter + gradient buffer of one dtype of the chunk, and the collectives in flight on it."""
+    """Flat parameter + gradient buffer of one dtype (and kind: dense or expert-parallel) of the chunk, the
+    data-parallel group it is sharded over, and the collectives in flight on it."""
 
-    def __init__(self, pbuf: FlatParamBuffer, gbuf: FlatGradBuffer) -> None:
+    def __init__(self, pbuf: FlatParamBuffer, gbuf: FlatGradBuffer, group: Any, gradient_scaling_factor: float) -> None:
         self.pbuf = pbuf
         self.gbuf = gbuf
+        self.group = group  # data-parallel group (expert-data-parallel for expert-parallel parameters)
+        self.rank = pbuf.dp_rank  # this rank's shard index in `group`
+        self.size = pbuf.layout.dp_size
+        self.gradient_scaling_factor = gradient_scaling_factor  # applied to the full buffer before its reduce
         self.gather: Pending | None = None
         self.params_stale = False  # the shard was updated after the last gather
         self.reduces: list[Pending] = []
@@ -231,6 +253,8 @@ class ShardedDataParallel(DistributedDataParallel):
         self.pp_group = groups["pp"]
         self.mp_group = groups["mp"]
         self.embd_group = groups["embd"]
+        self.expt_dp_group = groups["expt_dp"]
+        self.expt_tp_group = groups["expt_tp"]
         self.dp_size = comm.group_size(self.dp_group)
         self.dp_rank = comm.group_rank(self.dp_group)
         self.stats = RankStats()
@@ -260,7 +284,8 @@ class ShardedDataParallel(DistributedDataParallel):
         self.gradient_scaling_factor = 1.0 if (per_token or self.average_in_collective) else 1.0 / self.dp_size
 
         grad_reduce_in_fp32 = bool(getattr(ddp_config, "grad_reduce_in_fp32", False))
-        by_dtype: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]] = {}
+        # (dtype, expert-parallel) -> parameters: Megatron's DDP groups its buffers the same way.
+        by_key: dict[tuple[torch.dtype, bool], list[tuple[str, torch.nn.Parameter]]] = {}
         self.replicated_params: list[torch.nn.Parameter] = []  # tied params in this chunk (owned or not)
         self.owned_replicated_params: list[torch.nn.Parameter] = []
         self.params_with_grad: list[torch.nn.Parameter] = []
@@ -284,24 +309,30 @@ class ShardedDataParallel(DistributedDataParallel):
                 self.replicated_params.append(p)
                 continue
             setattr(p, _OWNER_ATTR, weakref.ref(self))
+            if replicated and is_expert_parallel(p):
+                raise ValueError(f"parameter {name!r} is both a tied embedding (shared_embedding) and "
+                                 "expert-parallel (allreduce = False): it cannot be replicated over data parallelism")
             if replicated:
                 self.replicated_params.append(p)
                 self.owned_replicated_params.append(p)
             else:
-                by_dtype.setdefault(p.dtype, []).append((name, p))
+                by_key.setdefault((p.dtype, is_expert_parallel(p)), []).append((name, p))
 
         self.flat_buffers: list[_Bucket] = []
         self._bucket_of: dict[torch.nn.Parameter, _Bucket] = {}
-        for dtype, named in by_dtype.items():
+        for (dtype, expert), named in by_key.items():
+            group, scaling = self.dp_group, self.gradient_scaling_factor
+            if expert:
+                group, scaling = self._expert_group_and_scaling(named[0][0], per_token)
             pbuf = FlatParamBuffer(
-                [p for _, p in named], [n for n, _ in named], self.dp_size, self.dp_rank,
+                [p for _, p in named], [n for n, _ in named], comm.group_size(group), comm.group_rank(group),
                 sharded_at_rest=self.zero_stage == 3, shard_align=shard_align, param_align=param_align,
             )
             grad_dtype = torch.float32 if grad_reduce_in_fp32 else dtype
             gbuf = FlatGradBuffer(pbuf, grad_dtype, resident=self.zero_stage == 1)
             pbuf.attach_counter(self.budget.weights, self)
             gbuf.attach_counter(self.budget.grads, self)
-            bucket = _Bucket(pbuf, gbuf)
+            bucket = _Bucket(pbuf, gbuf, group, scaling)
             self.flat_buffers.append(bucket)
             if pbuf.gathered:  # ZeRO-1/2: full parameters are resident for good
                 self.stats.on_gathered(pbuf.full_bytes)
@@ -320,6 +351,24 @@ class ShardedDataParallel(DistributedDataParallel):
                 delayed_by[p].register_wgrad_accumulation_and_reduce_hooks(functools.partial(hook, p))
             else:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _expert_group_and_scaling(self, name: str, per_token: bool) -> tuple[Any, float]:
+        """The expert-data-parallel group and the gradient pre-scaling of expert-parallel parameters, as in
+        Megatron's DDP: the reduced gradient must be the average over the whole data-parallel group D (each
+        expert saw the tokens of the E = D / E_dp ranks of its expert-parallel group), so either pre-scale by 1/D
+        and sum over E_dp, or pre-scale by E_dp / D and average over E_dp."""
+        group = self.expt_dp_group
+        if group is None:
+            raise ValueError(
+                f"parameter {name!r} is expert-parallel (allreduce = False) but no expert-data-parallel group is "
+                "set up: initialize Megatron's parallel_state with --expert-model-parallel-size, or pass "
+                "pg_collection.expt_dp"
+            )
+        if per_token:
+            return group, 1.0
+        if self.average_in_collective:
+            return group, comm.group_size(group) / self.dp_size
+        return group, 1.0 / self.dp_size
 
     # -- gradient accumulation --------------------------------------------------------------------------------
 
@@ -385,7 +434,7 @@ class ShardedDataParallel(DistributedDataParallel):
                 self.stats.on_gathered(b.pbuf.full_bytes)
             b.params_stale = False
             # Freed only after a wait (wait_params, release_params, full_params): no record_stream needed.
-            b.gather = comm.all_gather(b.pbuf.full, b.pbuf.shard, self.dp_group, self.stats,
+            b.gather = comm.all_gather(b.pbuf.full, b.pbuf.shard, b.group, self.stats,
                                        unrecorded=(b.pbuf.full,))
 
     def wait_params(self) -> None:
@@ -417,8 +466,8 @@ class ShardedDataParallel(DistributedDataParallel):
             if not b.grads_unreduced:
                 continue
             g = b.gbuf.full
-            if self.gradient_scaling_factor != 1.0:
-                g.mul_(self.gradient_scaling_factor)
+            if b.gradient_scaling_factor != 1.0:
+                g.mul_(b.gradient_scaling_factor)
             shard = b.gbuf.main_grad_shard
             if not b.main_grad_has_data and g.dtype == torch.float32:
                 out, accumulate = shard, False  # first reduce of the step lands directly in the shard
@@ -429,7 +478,7 @@ class ShardedDataParallel(DistributedDataParallel):
             b.grad_ready = False
             b.reduces.append(
                 # The full buffer is freed in on_done, after the wait: no record_stream (see comm).
-                comm.reduce_scatter(out, g, self.dp_group, self.stats, average=self.average_in_collective,
+                comm.reduce_scatter(out, g, b.group, self.stats, average=self.average_in_collective,
                                     on_done=self._reduce_done(b, out, accumulate), unrecorded=(g,))
             )
             if self.zero_stage >= 2:
@@ -569,13 +618,14 @@ class ShardedDataParallel(DistributedDataParallel):
         ZeRO-3 parameters exist once, spread over the ranks, so they are consistent by construction; only
         replicated parameters and ZeRO-1/2 buffers are broadcast.
         """
+        if self.zero_stage != 3:
+            self.wait_all()
+            for b in self.flat_buffers:
+                if b.size > 1:
+                    dist.broadcast(b.pbuf.full, src=dist.get_global_rank(b.group, 0), group=b.group)
         if self.dp_size == 1:
             return
         src = dist.get_global_rank(self.dp_group, 0)
-        if self.zero_stage != 3:
-            for b in self.flat_buffers:
-                self.wait_all()
-                dist.broadcast(b.pbuf.full, src=src, group=self.dp_group)
         for p in self.owned_replicated_params:
             dist.broadcast(p.data, src=src, group=self.dp_group)
 
@@ -609,7 +659,7 @@ class ShardedDataParallel(DistributedDataParallel):
         finally:
             if writeback and self.zero_stage == 3:
                 for b in self.flat_buffers:
-                    lo, hi = b.pbuf.layout.shard_range(self.dp_rank)
+                    lo, hi = b.pbuf.layout.shard_range(b.rank)
                     b.pbuf.shard.copy_(b.pbuf.full[lo:hi])
             if self.zero_stage == 3:
                 for b, keep in zip(self.flat_buffers, was):

@@ -8,7 +8,8 @@ The runtime calls `config.finalize_model_grads_func` once after a training sched
 2. sums over tensor-parallel ranks the gradients Megatron sums there (sequence-parallel and qk-layernorm
    parameters; `average_gradients_across_tp_domain` ones are averaged), on the gradient shards;
 3. sums tied-embedding gradients over the embedding group (first and last pipeline stage);
-4. divides by the global number of tokens when `num_tokens` is given (per-token loss).
+4. updates the MoE routers' per-step state as Megatron does (expert bias, quantile-balancing bias, reset);
+5. divides by the global number of tokens when `num_tokens` is given (per-token loss).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def finalize_model_grads(
     check_grads(chunks)
     _allreduce_tensor_parallel_replicated_grads(chunks, tp_group)
     _allreduce_tied_embedding_grads(chunks, embd_group)
+    _update_moe_routers(chunks, first.config, dp_group)
 
     if num_tokens is not None:
         if pp_group is not None and comm.group_size(pp_group) > 1:
@@ -108,6 +110,26 @@ def check_grads(chunks: Sequence[ShardedDataParallel]) -> None:
                 )
 
 
+def _update_moe_routers(chunks: Sequence[ShardedDataParallel], config: Any, dp_group) -> None:
+    """The MoE router updates of Megatron's finalize_model_grads (megatron/core/distributed/
+    finalize_model_grads.py), through its own helpers: the aux-loss-free expert bias (tokens per expert summed
+    over tensor x data parallelism, its groups from parallel_state as there without a pg_collection), the
+    quantile-balancing bias (0.19; averaged over data parallelism) and the reset of the routers' per-step
+    tensors. They read router buffers, not gradients, so the sharded buffers change nothing."""
+    import importlib
+
+    if not getattr(config, "num_moe_experts", None):
+        return  # no router (and a config that need not be a TransformerConfig)
+    megatron_finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    if getattr(config, "moe_router_enable_expert_bias", False):
+        megatron_finalize._update_router_expert_bias(chunks, config)
+    if getattr(config, "moe_router_load_balancing_type", None) == "quantile_balancing":
+        megatron_finalize._update_router_qb_beta(chunks, config, dp_cp_group=dp_group)
+    reset = getattr(megatron_finalize, "reset_model_temporary_tensors", None)
+    if reset is not None:
+        reset(config, chunks)
+
+
 def _needs_tp_reduction(param: torch.nn.Parameter, name: str, config: Any) -> str | None:
     """'sum' / 'avg' / None, exactly as Megatron's _allreduce_non_tensor_model_parallel_grads decides."""
     if getattr(param, "average_gradients_across_tp_domain", False):
@@ -127,7 +149,7 @@ def _allreduce_tensor_parallel_replicated_grads(chunks: Sequence[ShardedDataPara
     grads: dict[str, list[torch.Tensor]] = {"sum": [], "avg": []}
     for c in chunks:
         for b in c.flat_buffers:
-            for piece in b.pbuf.layout.pieces(c.dp_rank):
+            for piece in b.pbuf.layout.pieces(b.rank):
                 p = b.pbuf.params[piece.slot.index]
                 kind = _needs_tp_reduction(p, c.param_names[p], c.config)
                 if kind:

@@ -63,9 +63,6 @@ def get_megatron_optimizer(
         config_overrides = get_standard_config_overrides(config)
     groups = _get_param_groups(list(model_chunks), config, config_overrides)
     for g in groups:
-        if g.get("is_expert_parallel") and g["params"]:
-            raise ValueError("--zero-stage does not support expert-parallel (MoE) parameters yet: "
-                             "use Megatron's distributed optimizer (drop --zero-stage) for MoE models")
         seen: set[int] = set()  # a tied parameter in two chunks of this rank is optimized once
         g["params"] = [p for p in g["params"] if not (id(p) in seen or seen.add(id(p)))]
     grad_stats_groups = None

@@ -25,7 +25,7 @@ from torch.optim.adam import adam as functional_adam
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from . import comm
-from .ddp import ShardedDataParallel, _Bucket
+from .ddp import ShardedDataParallel, _Bucket, is_expert_parallel
 from .driver import link_stats, memory_stats
 from .grad_scaler import ConstantGradScaler, make_grad_scaler
 
@@ -64,9 +64,13 @@ def default_param_groups(chunks: Sequence[torch.nn.Module], config: Any) -> list
     return groups
 
 
-def _is_tp_duplicate(p: torch.nn.Parameter, tp_group) -> bool:
+def _is_tp_duplicate(p: torch.nn.Parameter, tp_group, expert_tp_group=None) -> bool:
+    """Megatron's `param_is_not_tensor_parallel_duplicate`, negated: expert-parallel parameters are filtered over
+    the expert-tensor-parallel group."""
     if getattr(p, "tensor_model_parallel", False):
         return False
+    if is_expert_parallel(p) and expert_tp_group is not None:
+        tp_group = expert_tp_group
     return comm.group_rank(tp_group) != 0
 
 
@@ -154,15 +158,17 @@ class ShardedOptimizer(MegatronOptimizer):
                     p = b.pbuf.params[slot.index]
                     self._param_loc[p] = ("shard", ci, bi, slot, st, b)
                     _expose_main_param(p, None, sharded=True)  # replaced below where this rank holds a piece
-                for piece in b.pbuf.layout.pieces(c.dp_rank):
+                # Shards partition each buffer over its own group (expert-data-parallel for expert-parallel
+                # parameters); the norm's sum over data x model parallelism then counts every element once.
+                for piece in b.pbuf.layout.pieces(b.rank):
                     p = b.pbuf.params[piece.slot.index]
                     if p not in group_of:
                         raise ValueError(f"parameter {c.param_names[p]!r} is in no optimizer parameter group")
                     sl = slice(piece.shard_lo, piece.shard_hi)
                     _expose_main_param(p, st["main_param"][sl], sharded=True)
                     self._segments[group_of[p]].append(_Segment(
-                        p, st["main_param"][sl], b.gbuf.main_grad_shard[sl], st["exp_avg"][sl],
-                        st["exp_avg_sq"][sl], counts_in_norm=not _is_tp_duplicate(p, self.tp_group),
+                        p, st["main_param"][sl], b.gbuf.main_grad_shard[sl], st["exp_avg"][sl], st["exp_avg_sq"][sl],
+                        counts_in_norm=not _is_tp_duplicate(p, self.tp_group, c.expt_tp_group),
                     ))
             for p in c.owned_replicated_params:
                 if p not in group_of:
