@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from .runtime.p2p import channel_groups, reset_runtime_groups
+from .runtime.forward_backward import reset_runtime_groups
+from .runtime.p2p import channel_groups
 
 _P2P_GROUPS: dict[str, dist.ProcessGroup] | None = None
 _OWNS_DEFAULT_GROUP = False  # destroy_parallel only tears down a default group that init_parallel created

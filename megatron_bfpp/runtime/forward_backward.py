@@ -19,7 +19,7 @@ from ..schedule import Schedule, make_schedule
 from ..schedule.ir import GROUPED_SCHEDULES, SCHEDULE_NAMES, SPLIT_BACKWARD_SCHEDULES
 from .executor import PipelineError, ScheduleExecutor
 from .hooks import DataParallelDriver, MegatronConfigDriver
-from .p2p import PipelineP2P
+from .p2p import PipelineP2P, forget_channel_groups
 from .recorder import ActionRecorder
 from .split_backward import splits_by_deferral, writes_main_grad_at_input_grad
 
@@ -35,6 +35,14 @@ def set_recorder(recorder: ActionRecorder | None) -> None:
 def set_wait_timeout(seconds: float | None) -> None:
     """Bound every p2p wait (default: the process group's timeout, Megatron's --distributed-timeout-minutes)."""
     _state["wait_timeout_s"] = seconds
+
+
+def reset_runtime_groups() -> None:
+    """Forget cached channel groups, transfer objects and agreed schedules (call when the process groups are
+    destroyed)."""
+    forget_channel_groups()
+    _state["p2p"].clear()
+    _state["agreed"].clear()
 
 
 def last_schedule() -> Schedule | None:

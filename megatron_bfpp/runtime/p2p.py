@@ -108,13 +108,9 @@ def channel_groups(pp_group: dist.ProcessGroup, timeout_s: float | None = None,
     return _CHANNEL_CACHE[mine]
 
 
-def reset_runtime_groups() -> None:
-    """Forget cached channel groups and transfer objects (call when the process groups are destroyed)."""
+def forget_channel_groups() -> None:
+    """Forget the cached channel groups (their process groups are being destroyed)."""
     _CHANNEL_CACHE.clear()
-    from .forward_backward import _state
-
-    _state["p2p"].clear()
-    _state["agreed"].clear()
 
 
 def coalesced(ops_in_post: int) -> bool:
