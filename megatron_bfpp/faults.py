@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from .errors import TrainerConfigError
+
 ENV = "BFPP_FAULT_INJECT"
 KILL_POINTS = ("forward", "backward", "optimizer", "save")
 VALUE_POINTS = ("nan_loss", "nan_grad", "inf_grad")
@@ -121,7 +123,6 @@ def is_config_error(e: BaseException) -> bool:
     """Whether `e` reports a bad configuration (the user's to fix from its message) rather than a bug."""
     from .checkpoint import CheckpointError
     from .megatron.validation import ConfigError
-    from .train_config import TrainerConfigError
 
     if isinstance(e, (TrainerConfigError, ConfigError)):
         return True

@@ -12,6 +12,7 @@ import io
 import os
 import sys
 
+from .errors import TrainerConfigError
 from .megatron.validation import megatron_flag_text
 from .schedule import ScheduleError, build
 from .schedule.ir import GROUPED_SCHEDULES, SCHEDULE_NAMES
@@ -19,10 +20,6 @@ from .schedule.ir import GROUPED_SCHEDULES, SCHEDULE_NAMES
 SUPPORTED_MEGATRON_CORE = ((0, 19),)
 DEFAULT_MOCK_VOCAB = 1024
 TEXT_VOCAB = 257  # byte-level tokens + end-of-document, as scripts/text_to_megatron.py writes them
-
-
-class TrainerConfigError(ValueError):
-    """A bad trainer configuration; the message names the flags and the fix."""
 
 
 def _iteration_list(text: str) -> list[int]:
