@@ -14,14 +14,14 @@ slice of each.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from . import comm
 
 if TYPE_CHECKING:
-    from .optimizer import ShardedOptimizer
+    from .ddp import ShardedDataParallel
 
 STATE_KEYS = ("fp32_param", "exp_avg", "exp_avg_sq")
 _INTERNAL = {"fp32_param": "main_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
@@ -41,10 +41,10 @@ def _param_to_sharded_metadata(model_sharded_state_dict) -> dict:
 
 
 @torch.no_grad()
-def _gather_bucket_states(opt: "ShardedOptimizer", bucket_state) -> dict[str, torch.Tensor]:
+def _gather_bucket_states(chunks: Sequence[ShardedDataParallel], bucket_state) -> dict[str, torch.Tensor]:
     """Full flat fp32 state buffers of one bucket (all ranks' shards)."""
     ci, b, st = bucket_state
-    group = opt.chunks[ci].dp_group
+    group = chunks[ci].dp_group
     full = {}
     for key in STATE_KEYS:
         shard = st[_INTERNAL[key]].float()
@@ -54,15 +54,19 @@ def _gather_bucket_states(opt: "ShardedOptimizer", bucket_state) -> dict[str, to
     return full
 
 
-def model_space_sharded_state_dict(opt: "ShardedOptimizer", model_sharded_state_dict, is_loading: bool) -> dict:
+def model_space_sharded_state_dict(params: list[torch.nn.Parameter], param_loc: dict, bucket_states: list[tuple],
+                                   chunks: Sequence[ShardedDataParallel], model_sharded_state_dict,
+                                   is_loading: bool) -> dict:
+    """The per-parameter states of the sharded optimizer (its parameters, where each one's state lives, its
+    buckets' states and its chunks) as dist_checkpointing tensors; the optimizer adds its step, groups and
+    scaler."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     meta = _param_to_sharded_metadata(model_sharded_state_dict)
-    params = opt.get_parameters()
     gathered: dict[int, dict[str, torch.Tensor]] = {}
     if not is_loading:
-        for i, bs in enumerate(opt._bucket_state):
-            gathered[id(bs[1])] = _gather_bucket_states(opt, bs)
+        for bs in bucket_states:
+            gathered[id(bs[1])] = _gather_bucket_states(chunks, bs)
     param_state = {}
     for idx, p in enumerate(params):
         sh = meta.get(p)
@@ -71,7 +75,7 @@ def model_space_sharded_state_dict(opt: "ShardedOptimizer", model_sharded_state_
                 f"parameter of shape {tuple(p.shape)} is missing from the model's sharded state dict; build it "
                 "with keep_vars=True so its tensors are the parameters themselves"
             )
-        loc = opt._param_loc.get(p)
+        loc = param_loc.get(p)
         if loc is None:  # a tied parameter owned (and checkpointed) through another chunk of this rank
             continue
         tensors = {}
@@ -85,27 +89,22 @@ def model_space_sharded_state_dict(opt: "ShardedOptimizer", model_sharded_state_
                 t = loc[1][_INTERNAL[key]].detach().float().view(p.shape)
             tensors[key] = make_sharded_optimizer_tensor(sh, t, prefix=f"optimizer.state.{key}")
         param_state[idx] = tensors
-    return {
-        "param_state": param_state,
-        "param_state_sharding_type": SHARDING_TYPE,
-        "step": opt._step,
-        "param_groups": opt._group_hparams(),
-        "grad_scaler": None if opt.grad_scaler is None else opt.grad_scaler.state_dict(),
-    }
+    return {"param_state": param_state, "param_state_sharding_type": SHARDING_TYPE}
 
 
 @torch.no_grad()
-def load_model_space_state(opt: "ShardedOptimizer", state_dict: dict) -> None:
-    """Load the output of dist_checkpointing.load on `model_space_sharded_state_dict(..., is_loading=True)`."""
+def load_model_space_state(params: list[torch.nn.Parameter], param_loc: dict, chunks: Sequence[ShardedDataParallel],
+                           state_dict: dict) -> None:
+    """Load the per-parameter states from the output of dist_checkpointing.load on
+    `model_space_sharded_state_dict(..., is_loading=True)` (the optimizer loads its step, groups and scaler)."""
     if state_dict.get("param_state_sharding_type") != SHARDING_TYPE:
         raise ValueError(
             f"optimizer checkpoint format {state_dict.get('param_state_sharding_type')!r} is not "
             f"{SHARDING_TYPE!r}: it was not written by ShardedOptimizer"
         )
-    params = opt.get_parameters()
     for idx, tensors in state_dict["param_state"].items():
         p = params[int(idx)]
-        loc = opt._param_loc[p]
+        loc = param_loc[p]
         for key in STATE_KEYS:
             full = tensors[key]
             if not torch.is_tensor(full):  # a ShardedTensor left unloaded would be a bug upstream
@@ -114,8 +113,7 @@ def load_model_space_state(opt: "ShardedOptimizer", state_dict: dict) -> None:
                 loc[1][_INTERNAL[key]].copy_(full.view(p.shape))
                 continue
             _, ci, _, slot, st, b = loc
-            piece = b.pbuf.layout.piece(slot, opt.chunks[ci].dp_rank)
+            piece = b.pbuf.layout.piece(slot, chunks[ci].dp_rank)
             if piece is not None:
                 flat = full.reshape(-1)
                 st[_INTERNAL[key]][piece.shard_lo : piece.shard_hi].copy_(flat[piece.param_lo : piece.param_hi])
-    opt._load_common(state_dict)

@@ -25,6 +25,7 @@ from torch.optim.adam import adam as functional_adam
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from . import comm
+from .checkpoint import load_model_space_state, model_space_sharded_state_dict
 from .ddp import ShardedDataParallel, _Bucket, is_expert_parallel
 from .driver import link_stats, memory_stats
 from .grad_scaler import ConstantGradScaler, make_grad_scaler
@@ -348,9 +349,8 @@ class ShardedOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         if "param_state" in state_dict:
-            from .checkpoint import load_model_space_state
-
-            load_model_space_state(self, state_dict)
+            load_model_space_state(self.get_parameters(), self._param_loc, self.chunks, state_dict)
+            self._load_common(state_dict)
         else:
             self._load_local_state(state_dict)
         self._copy_main_params_to_model_params()
@@ -394,9 +394,10 @@ class ShardedOptimizer(MegatronOptimizer):
         """Optimizer state for Megatron's dist_checkpointing, in model space: per parameter, fp32 tensors
         ('fp32_param', 'exp_avg', 'exp_avg_sq') of the parameter's shape, carrying the parameter's own
         ShardedTensor offsets, so the checkpoint loads at any data-parallel size, P and V."""
-        from .checkpoint import model_space_sharded_state_dict
-
-        return model_space_sharded_state_dict(self, model_sharded_state_dict, is_loading)
+        return {**model_space_sharded_state_dict(self.get_parameters(), self._param_loc, self._bucket_state,
+                                                 self.chunks, model_sharded_state_dict, is_loading),
+                "step": self._step, "param_groups": self._group_hparams(),
+                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
 
     # -- accounting ------------------------------------------------------------------------------------------
 
