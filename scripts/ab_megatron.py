@@ -7,9 +7,9 @@ added with --add-variant NAME=stock|plugin:"FLAGS", e.g. later schedules):
 - stock (stock-g<G> for each --stock-group-sizes G): the unmodified pretrain_gpt.py, interleaved 1F1B (virtual
   stages) with the micro-batch group size G, Megatron's distributed optimizer with --overlap-grad-reduce and
   --overlap-param-gather; the best of the stock-g<G> runs is the baseline;
-- plugin-bf-distopt: `python -m megatron_bfpp.launch`, --pipeline-schedule breadth-first with Megatron's own
-  distributed optimizer and overlap flags (no --zero-stage): what the schedule buys;
-- plugin-bf-zero3: the launcher, --pipeline-schedule breadth-first --zero-stage 3: what the sharding adds;
+- plugin-bf-distopt: `python -m megatron_bfpp.run_megatron_script`, --pipeline-schedule breadth-first with
+  Megatron's own distributed optimizer and overlap flags (no --zero-stage): what the schedule buys;
+- plugin-bf-zero3: the script runner, --pipeline-schedule breadth-first --zero-stage 3: what the sharding adds;
 - plugin-izb-distopt, plugin-bfzb-zero3 (not in the default list): the split-backward schedules interleaved-zb
   with Megatron's distributed optimizer and breadth-first-zb with ZeRO-3 (under gradient-accumulation fusion,
   Megatron-LM's default, layers that cannot defer write main_grad at I, where ZeRO-3 then gives their stage its
@@ -101,7 +101,7 @@ MEMORY_RE = re.compile(
 @dataclass
 class Variant:
     name: str
-    plugin: bool  # through python -m megatron_bfpp.launch
+    plugin: bool  # through python -m megatron_bfpp.run_megatron_script
     flags: list[str]
     description: str = ""
 
@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant-flags", action="append", default=[], metavar='NAME="FLAGS"',
                    help="extra Megatron flags for one variant (repeatable)")
     p.add_argument("--add-variant", action="append", default=[], metavar='NAME=stock|plugin:"FLAGS"',
-                   help="another variant: the stock script or the plugin launcher with these flags (repeatable)")
+                   help="another variant: the stock script or the plugin's script runner with these flags (repeatable)")
     p.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
                    help="auto: TransformerEngine when importable where the ranks run, else local (with a note)")
     p.add_argument("--no-tp-comm-overlap", action="store_true", help="no --tp-comm-overlap at T > 1")
@@ -591,7 +591,7 @@ def plan(a: argparse.Namespace, mlm: str, out: Path, vs: list[Variant], flags: l
             if v.plugin:
                 timeline = str(out / f"{v.name}.rep{rep}.timeline.json")
                 vflags = vflags + ["--timeline", timeline]
-            entry = ["-m", "megatron_bfpp.launch", script] if v.plugin else [script]
+            entry = ["-m", "megatron_bfpp.run_megatron_script", script] if v.plugin else [script]
             cmd = launch_prefix(a, a.master_port + k, f"{v.name}-{rep}") + entry + vflags
             records.append(RunRecord(v.name, rep, str(log), cmd, timeline=timeline))
             k += 1

@@ -70,7 +70,7 @@ detect_tag() {
 
 if [ -z "$TAG" ]; then
   if ! TAG="$(detect_tag)"; then
-    die "$DIR: $TAG has no patch series; supported: $(available)(or pass --tag, or use the no-patch launcher: python -m megatron_bfpp.launch $DIR/pretrain_gpt.py ...)"
+    die "$DIR: $TAG has no patch series; supported: $(available)(or pass --tag, or use the no-patch script runner: python -m megatron_bfpp.run_megatron_script $DIR/pretrain_gpt.py ...)"
   fi
 fi
 SERIES="$SERIES_ROOT/$TAG"

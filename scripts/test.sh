@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: the whole suite, failing on "no tests ran" (pytest exit code 5); skip reasons are printed.
-# MEGATRON_LM_DIR (a Megatron-LM checkout for the patch, launcher and pretrain_gpt.py tests) defaults to
+# MEGATRON_LM_DIR (a Megatron-LM checkout for the patch, script runner and pretrain_gpt.py tests) defaults to
 # ../shared/megatron-lm/core_v0.19.0 next to the repository when that folder exists.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

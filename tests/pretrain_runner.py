@@ -6,7 +6,7 @@ Megatron prints the grad norm with three decimals; to compare runs to rtol 1e-5 
 `megatron.training.training.training_log` (Megatron's own logging function, which still runs and prints) and
 appends one JSON line per call to `$BFPP_PRETRAIN_RECORD` on the last rank: iteration, the losses of
 `loss_dict`, grad norm, params norm, num zeros, loss scale, skipped iteration. Then it runs SCRIPT as
-`__main__` (a patched checkout) or, with `--launch`, through `python -m megatron_bfpp.launch` (unpatched).
+`__main__` (a patched checkout) or, with `--launch`, through `python -m megatron_bfpp.run_megatron_script` (unpatched).
 
 Fault injection (test-only, the same for stock and plugin runs): `BFPP_PRETRAIN_NAN_GRAD=ITER:NAME` turns the
 first element of the gradient of every parameter whose name contains NAME into NaN during iteration ITER
@@ -102,9 +102,9 @@ def main() -> None:
         _inject_nan_grad(os.environ["BFPP_PRETRAIN_NAN_GRAD"])
     try:
         if launch:
-            from megatron_bfpp.launch import main as launch_main
+            from megatron_bfpp.run_megatron_script import main as run_script
 
-            rc = launch_main([script, *argv[1:]])
+            rc = run_script([script, *argv[1:]])
             if rc:
                 sys.exit(rc)
         else:

@@ -1,6 +1,6 @@
 """Megatron-LM integration: flags through Megatron's own parser and validation, the plugin's checks (one clear
 error per bad combination, in Megatron's flag names), install()/uninstall() rebinding on the installed
-megatron-core, argument hooks and the no-patch launcher, and (with MEGATRON_LM_DIR) the patch series on a
+megatron-core, argument hooks and the no-patch script runner, and (with MEGATRON_LM_DIR) the patch series on a
 real Megatron-LM checkout.
 
 Megatron's argument validation runs on CPU: WORLD_SIZE/RANK come from the environment (set per case by
@@ -66,7 +66,7 @@ def test_add_arguments_is_idempotent_and_chains() -> None:
 
     parser = argparse.ArgumentParser()
     parser = bm.extra_args_provider(other)(parser)
-    parser = bm.add_arguments(parser)  # patch + launcher together must not conflict
+    parser = bm.add_arguments(parser)  # patch + script runner together must not conflict
     a = parser.parse_args(["--other-flag", "3", "--pipeline-schedule", "breadth-first", "--zero-stage", "3",
                            "--bfpp-weight-buffers", "1", "--timeline", "t.json"])
     assert (a.other_flag, a.pipeline_schedule, a.zero_stage, a.bfpp_weight_buffers, a.timeline) == (
@@ -430,7 +430,7 @@ def test_multi_module_pipelines_refused(restore, monkeypatch: pytest.MonkeyPatch
             MultiModuleProcessGroupCollection))
 
 
-# ----------------------------------------------------------------------------- argument hooks and launcher
+# ----------------------------------------------------------------------------- argument hooks and script runner
 
 def test_hooked_parsing_accepts_flags_and_installs(restore, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     from megatron.training import arguments
@@ -480,7 +480,7 @@ def test_install_after_validation_for_scripts_with_their_own_provider(restore, m
 
 
 FAKE_SCRIPT = '''
-from helper_next_to_script import MARK  # the launcher puts the script's directory on sys.path
+from helper_next_to_script import MARK  # the script runner puts the script's directory on sys.path
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training import training
 args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
@@ -490,12 +490,12 @@ print("SCRIPT", __name__, MARK, training.get_forward_backward_func.bfpp_config.p
 
 def _launch(script: Path, *flags: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, WORLD_SIZE=str(WORLD), RANK="0", PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "megatron_bfpp.launch", str(script), *flags], capture_output=True,
-                          text=True, env=env, cwd=cwd, timeout=120)
+    return subprocess.run([sys.executable, "-m", "megatron_bfpp.run_megatron_script", str(script), *flags],
+                          capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
 
 
 @pytest.mark.timeout(150)
-def test_launcher_runs_unmodified_script(tmp_path: Path) -> None:
+def test_script_runner_runs_unmodified_script(tmp_path: Path) -> None:
     (tmp_path / "helper_next_to_script.py").write_text("MARK = 'helper-ok'\n")
     script = tmp_path / "pretrain_fake.py"
     script.write_text(FAKE_SCRIPT)
@@ -506,12 +506,12 @@ def test_launcher_runs_unmodified_script(tmp_path: Path) -> None:
     assert "megatron_bfpp: installed pipeline schedule breadth-first (P=4, V=2, M=4) on megatron-core" in r.stdout
 
 
-def test_launcher_usage_errors(tmp_path: Path) -> None:
-    from megatron_bfpp import launch
+def test_script_runner_usage_errors(tmp_path: Path) -> None:
+    from megatron_bfpp import run_megatron_script
 
-    assert launch.main([]) == 2
-    assert launch.main([str(tmp_path / "missing.py")]) == 2
-    assert launch.main(["--help"]) == 0
+    assert run_megatron_script.main([]) == 2
+    assert run_megatron_script.main([str(tmp_path / "missing.py")]) == 2
+    assert run_megatron_script.main(["--help"]) == 0
 
 
 # -------------------------------------------------------------------- a real Megatron-LM checkout (optional)
@@ -569,8 +569,9 @@ def _expect_installed_then_cuda(r: subprocess.CompletedProcess) -> None:
 
 @needs_checkout
 @pytest.mark.timeout(240)
-def test_launcher_on_unpatched_checkout(checkout: Path) -> None:
-    r = _run_checkout_script([sys.executable, "-m", "megatron_bfpp.launch", str(checkout / "pretrain_gpt.py"), *TINY,
+def test_script_runner_on_unpatched_checkout(checkout: Path) -> None:
+    r = _run_checkout_script([sys.executable, "-m", "megatron_bfpp.run_megatron_script",
+                              str(checkout / "pretrain_gpt.py"), *TINY,
                               *VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first"], ROOT)
     _expect_installed_then_cuda(r)
 

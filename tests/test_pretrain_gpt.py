@@ -4,7 +4,7 @@ Every plugin run is compared with stock Megatron (`--pipeline-schedule default`,
 same model, seed and global batch: lm loss, grad norm, params norm, skipped iterations and validation loss,
 fp32, rtol 1e-5. Runs use MEGATRON_LM_DIR (the tests skip when it is unset) and two checkouts of it: a copy
 patched with our series (`pretrain_gpt.py` gains the flags) and the original, run unmodified through
-`python -m megatron_bfpp.launch`. Stock runs use the original script as it is.
+`python -m megatron_bfpp.run_megatron_script`. Stock runs use the original script as it is.
 
 Each run is `torchrun --nproc-per-node N tests/pretrain_runner.py [--launch] pretrain_gpt.py ...` with
 `PYTHONPATH=tests/cpu_shim BFPP_CPU_SHIM=1`; the runner records `training_log`'s arguments at full precision
@@ -103,7 +103,7 @@ def _parse(run: Run) -> None:
 
 
 class Runner:
-    """Starts (and caches) pretrain_gpt.py runs on a checkout: stock, patched, or through the launcher."""
+    """Starts (and caches) pretrain_gpt.py runs on a checkout: stock, patched, or through the script runner."""
 
     def __init__(self, original: Path, patched: Path, workdir: Path) -> None:
         self.original, self.patched, self.workdir = original, patched, workdir
@@ -113,8 +113,8 @@ class Runner:
     def run(self, mode: str, args: list[str], nproc: int = 2, expect_ok: bool = True, timeout: int = 240,
             extra_env: dict[str, str] | None = None) -> Run:
         """mode: 'stock' (original script, unmodified), 'patched' (our patch series) or 'launch' (original
-        script through python -m megatron_bfpp.launch). `extra_env`: extra variables for the runner (e.g. its
-        test-only fault injection, BFPP_PRETRAIN_NAN_GRAD)."""
+        script through python -m megatron_bfpp.run_megatron_script). `extra_env`: extra variables for the runner
+        (e.g. its test-only fault injection, BFPP_PRETRAIN_NAN_GRAD)."""
         key = (mode, tuple(args), nproc, expect_ok, tuple(sorted((extra_env or {}).items())))
         if key in self.cache:
             return self.cache[key]
@@ -326,8 +326,8 @@ def test_uneven_stages_match_stock(mlm: Runner, case: str) -> None:
 
 @needs_checkout
 @pytest.mark.timeout(600)
-def test_launcher_unpatched_checkout_zero3_matches_stock(mlm: Runner) -> None:
-    """The unmodified script through `python -m megatron_bfpp.launch`."""
+def test_script_runner_unpatched_checkout_zero3_matches_stock(mlm: Runner) -> None:
+    """The unmodified script through `python -m megatron_bfpp.run_megatron_script`."""
     run = mlm.run("launch", TINY + P2V2 + ["--pipeline-schedule", "breadth-first", "--zero-stage", "3"])
     assert "megatron_bfpp: installed pipeline schedule breadth-first" in run.output
     assert_same_training(run, stock_ref(mlm))
@@ -522,7 +522,7 @@ def test_core_v0_16_1_matches_reference(mlm016: Runner, case: str) -> None:
     """The comparison, smaller, on Megatron-LM core_v0.16.1 (its own megatron package, Python 3.12).
 
     - v016-1f1b-zero3: the plugin's 1F1B with ZeRO-3 (P = 2, V = 1) against stock 1F1B, same layout.
-    - v016-bf-zero3-launch: breadth-first with ZeRO-3 through the launcher (P = 2, V = 2) against the plugin's
+    - v016-bf-zero3-launch: breadth-first with ZeRO-3 through the script runner (P = 2, V = 2) against the plugin's
       interleaved-1f1b at the same layout (patched script). Stock 0.16.1 interleaving is no reference on gloo:
       at P = 2 its forward and backward p2p between the same two ranks can pair out of order (NaN or changing
       losses from run to run here); 0.19 fixed it, and there the plugin's interleaved-1f1b equals stock.

@@ -129,7 +129,8 @@ def test_slurm_dry_run_is_a_valid_megatron_job(script: Path, tmp_path: Path, mon
     gpus = int(_flag(cmd, "--nproc-per-node"))
     assert _opt(cmd[:srun_end], "--nodes") == str(nnodes)
     assert _flag(cmd, "--rdzv-backend") == "c10d" and _flag(cmd, "--rdzv-endpoint").endswith(":29500")
-    assert cmd[cmd.index("-m") + 1 : cmd.index("-m") + 3] == ["megatron_bfpp.launch", f"{mlm}/pretrain_gpt.py"]
+    i = cmd.index("-m")
+    assert cmd[i + 1 : i + 3] == ["megatron_bfpp.run_megatron_script", f"{mlm}/pretrain_gpt.py"]
     flags = _flags_after_script(cmd)
     assert preflight[preflight.index("--") + 1 :] == flags  # the check sees exactly the training flags
     layers, hidden, heads = SHAPES[script.name]
@@ -388,7 +389,7 @@ def test_apply_script_errors(tmp_path: Path) -> None:
     (tmp_path / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 12\nPATCH = 0\n")
     r = _run(["bash", script, str(tmp_path)])
     assert r.returncode != 0 and "version 0.12 has no patch series" in r.stderr
-    assert "core_v0.19.0" in r.stderr and "megatron_bfpp.launch" in r.stderr
+    assert "core_v0.19.0" in r.stderr and "megatron_bfpp.run_megatron_script" in r.stderr
     (tmp_path / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 19\nPATCH = 3\n")
     r = _run(["bash", script, "--dry-run", str(tmp_path)])  # detected by version, but the file is not Megatron's
     assert r.returncode != 0 and "series core_v0.19.0" in r.stdout and "does not apply" in r.stderr
@@ -440,7 +441,7 @@ def test_ab_dry_run_fair_variants_checked_by_megatron(monkeypatch: pytest.Monkey
     flags = {v: _flags_after_script(c) for v, c in cmds.items()}
     for v, c in cmds.items():
         assert c[0].startswith("CUDA_DEVICE_MAX_CONNECTIONS=1") and c[2] == "srun" and "torchrun" in c
-        assert ("megatron_bfpp.launch" in c) == v.startswith("plugin")
+        assert ("megatron_bfpp.run_megatron_script" in c) == v.startswith("plugin")
     dist_opt = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
     assert flags["stock-g8"][-5:] == dist_opt + ["--microbatch-group-size-per-virtual-pipeline-stage", "8"]
     assert flags["stock-g16"][-1] == "16"
@@ -492,7 +493,8 @@ def test_ab_dry_run_te_overlap_added_variant_and_bad_names() -> None:
                           "--add-variant", "zb=plugin:--pipeline-schedule interleaved-1f1b")
     assert list(cmds) == ["stock", "plugin-bf-zero3", "zb"]
     f = _flags_after_script(cmds["zb"])
-    assert f[-4:-2] == ["--pipeline-schedule", "interleaved-1f1b"] and "megatron_bfpp.launch" in cmds["zb"]
+    assert f[-4:-2] == ["--pipeline-schedule", "interleaved-1f1b"]
+    assert "megatron_bfpp.run_megatron_script" in cmds["zb"]
     assert "--tp-comm-overlap" in f and _flag(f, "--transformer-impl") == "transformer_engine"
     r = _run([*AB, "--megatron-lm-dir", "/opt/mlm", "--dry-run", "--no-check", "--variants", "stock,nope"])
     assert r.returncode != 0 and "--variants nope unknown" in r.stderr
@@ -626,7 +628,7 @@ def test_ab_parse_only_needs_the_run_record(tmp_path: Path) -> None:
 @pytest.mark.skipif(not (ROOT / "tests" / "cpu_shim" / "sitecustomize.py").is_file(),
                     reason="the test-only CPU shim tests/cpu_shim/sitecustomize.py is not in this checkout yet")
 def test_ab_cpu_smoke_stock_vs_plugin(tmp_path: Path) -> None:
-    """The driver's real path on CPU: stock pretrain_gpt.py and the plugin launcher (breadth-first + ZeRO-3), 2
+    """The driver's real path on CPU: stock pretrain_gpt.py and the plugin's script runner (breadth-first + ZeRO-3), 2
     gloo processes, tiny GPT on mock data, through the test-only CPU shim; both train the same model."""
     out = tmp_path / "ab-cpu"
     r = _run([*AB, "--cpu-smoke", "--megatron-lm-dir", MEGATRON_LM_DIR, "--out", str(out), "--no-check",

@@ -2,7 +2,8 @@
 
 Three ways in (see docs/megatron.md):
 - patched script: `scripts/apply_megatron_patches.sh MEGATRON_LM_DIR` adds the flags and `install_or_exit(args)`;
-- launcher: `python -m megatron_bfpp.launch MEGATRON_LM_DIR/pretrain_gpt.py [flags]` (unmodified checkout);
+- script runner: `python -m megatron_bfpp.run_megatron_script MEGATRON_LM_DIR/pretrain_gpt.py [flags]`
+  (unmodified checkout);
 - Python API: `args = parse_and_validate_args(extra_args_provider=add_arguments); install(args); pretrain(...)`.
 
 Importing this package does not import Megatron; `install` does.

@@ -45,7 +45,7 @@ _WRAPPERS = {"parse_args": _wrap_parse_args, "validate_args": _wrap_validate, "v
 def hook_argument_parsing(parse: bool = True) -> list[str]:
     """Install the hooks (idempotent); returns the rebound names. `parse=False` hooks validation only, for
     scripts that pass `extra_args_provider(...)` themselves. Import Megatron from the right place first (the
-    launcher puts the Megatron-LM checkout on sys.path before calling this)."""
+    script runner puts the Megatron-LM checkout on sys.path before calling this)."""
     if _hooked:
         return [f"{m.__name__}.{a}" for m, a, _ in _hooked]
     for name in _MODULES:

@@ -27,7 +27,7 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the plugin's flags to a Megatron-LM parser (usable as `extra_args_provider`). Idempotent."""
-    if "--pipeline-schedule" in parser._option_string_actions:  # already added (patch + launcher together)
+    if "--pipeline-schedule" in parser._option_string_actions:  # already added (patch + script runner together)
         return parser
     group = parser.add_argument_group(title="megatron_bfpp (breadth-first pipeline parallelism)")
     group.add_argument(

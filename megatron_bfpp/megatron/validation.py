@@ -276,7 +276,8 @@ def validate_args(args: argparse.Namespace) -> PluginConfig:
     if not hasattr(args, "pipeline_schedule"):
         raise ConfigError(
             "the arguments lack --pipeline-schedule: parse them with "
-            "extra_args_provider=megatron_bfpp.megatron.add_arguments (or run through python -m megatron_bfpp.launch)"
+            "extra_args_provider=megatron_bfpp.megatron.add_arguments (or run the script through "
+            "python -m megatron_bfpp.run_megatron_script)"
         )
     if getattr(args, "data_parallel_size", None) is None:
         raise ConfigError(

@@ -18,7 +18,7 @@
 #   TP_COMM_OVERLAP=0 no --tp-comm-overlap (default: on when TP > 1 and TransformerEngine is used)
 #   RECOMPUTE         full | selective | none (activation recomputation; default from the batch script)
 #   USE_PATCH=1       run the patched pretrain_gpt.py (scripts/apply_megatron_patches.sh) instead of the
-#                     no-patch launcher `python -m megatron_bfpp.launch`
+#                     no-patch script runner `python -m megatron_bfpp.run_megatron_script`
 #   GPUS_PER_NODE (default: the allocation's, else 8)
 #   TP PP LAYERS_PER_STAGE MBS GBS GROUP_SIZE SCHEDULE ZERO_STAGE TRAIN_ITERS
 #                     ZERO_STAGE= (empty) keeps Megatron's distributed optimizer (overlapped grad reduce and
@@ -231,7 +231,7 @@ bfpp_slurm_main() {
 
   local -a entry
   if [ "${USE_PATCH:-0}" = 1 ]; then entry=("$entry_script")
-  else entry=(-m megatron_bfpp.launch "$entry_script"); fi
+  else entry=(-m megatron_bfpp.run_megatron_script "$entry_script"); fi
 
   local -a check=(python -m megatron_bfpp.megatron.check --world-size "$world" -- "${megatron[@]}")
   local -a cmd=(srun --nodes="$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=1 --chdir="$mlm"

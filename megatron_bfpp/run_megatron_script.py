@@ -1,7 +1,7 @@
 """Run an unmodified Megatron-LM training script with the plugin installed.
 
-    python -m megatron_bfpp.launch MEGATRON_LM_DIR/pretrain_gpt.py [Megatron flags] [plugin flags]
-    torchrun --nproc-per-node 8 -m megatron_bfpp.launch MEGATRON_LM_DIR/pretrain_gpt.py ...
+    python -m megatron_bfpp.run_megatron_script MEGATRON_LM_DIR/pretrain_gpt.py [Megatron flags] [plugin flags]
+    torchrun --nproc-per-node 8 -m megatron_bfpp.run_megatron_script MEGATRON_LM_DIR/pretrain_gpt.py ...
 
 The script's directory goes first on sys.path (as `python script.py` would put it, so the checkout's
 `megatron` package and helpers such as `gpt_builders` are the ones imported); Megatron's argument parsing
@@ -16,9 +16,9 @@ import runpy
 import sys
 
 USAGE = (
-    "usage: python -m megatron_bfpp.launch SCRIPT.py [SCRIPT FLAGS...]\n"
-    "  e.g. python -m megatron_bfpp.launch $MEGATRON_LM_DIR/pretrain_gpt.py --pipeline-schedule breadth-first "
-    "--num-layers-per-virtual-pipeline-stage 2 ...\n"
+    "usage: python -m megatron_bfpp.run_megatron_script SCRIPT.py [SCRIPT FLAGS...]\n"
+    "  e.g. python -m megatron_bfpp.run_megatron_script $MEGATRON_LM_DIR/pretrain_gpt.py "
+    "--pipeline-schedule breadth-first --num-layers-per-virtual-pipeline-stage 2 ...\n"
     "Runs a Megatron-LM training script with megatron_bfpp's flags (--pipeline-schedule, --zero-stage, "
     "--bfpp-weight-buffers, --bfpp-grad-buffers, --timeline) accepted and installed."
 )
@@ -33,8 +33,8 @@ def _check_megatron_origin(script_dir: str) -> None:
     want = os.path.realpath(os.path.join(script_dir, "megatron"))
     if want not in paths:
         raise SystemExit(
-            f"megatron_bfpp.launch: error: 'megatron' was already imported from {paths} before {script_dir} went on "
-            "sys.path; start the launcher in a fresh interpreter"
+            f"megatron_bfpp.run_megatron_script: error: 'megatron' was already imported from {paths} before "
+            f"{script_dir} went on sys.path; start the script runner in a fresh interpreter"
         )
 
 
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     script = argv[0]
     if not script.endswith(".py") or not os.path.isfile(script):
-        print(f"megatron_bfpp.launch: error: {script!r} is not a Python script; pass the path of a Megatron-LM "
-              f"training script, e.g. $MEGATRON_LM_DIR/pretrain_gpt.py\n\n{USAGE}", file=sys.stderr)
+        print(f"megatron_bfpp.run_megatron_script: error: {script!r} is not a Python script; pass the path of a "
+              f"Megatron-LM training script, e.g. $MEGATRON_LM_DIR/pretrain_gpt.py\n\n{USAGE}", file=sys.stderr)
         return 2
     script_dir = os.path.dirname(os.path.abspath(script))
     _check_megatron_origin(script_dir)
