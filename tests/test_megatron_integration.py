@@ -275,7 +275,7 @@ def test_split_schedule_on_transformer_engine_layers_without_delay_says_w_has_no
     args.transformer_impl = "transformer_engine"
     bm.install(args)
     out = capsys.readouterr().out
-    assert "W's carry no work" in out and "TransformerEngine >= 2.3.0" in out and "found none" in out, out
+    assert "W's carry no work" in out and "TransformerEngine >= 2.7.0" in out and "found none" in out, out
     assert "ZeRO" not in out and "--transformer-impl local" in out and not args.delay_wgrad_compute
     assert "under ZeRO-2" in split_backward_note(args, SimpleNamespace(pipeline_schedule="interleaved-zb",
                                                                        zero_stage=2))
@@ -287,12 +287,14 @@ def test_split_schedule_on_transformer_engine_layers_without_delay_says_w_has_no
 
 
 @pytest.mark.parametrize("version, flags, blocked", [
-    ("2.3.0", {}, None), ("2.2.9", {}, ">= 2.3.0"), ("2.6.0", {"gradient_accumulation_fusion": False}, ">= 2.7.0"),
+    ("2.7.0", {}, None), ("2.3.0", {}, ">= 2.7.0"), ("2.6.0", {"gradient_accumulation_fusion": True}, ">= 2.7.0"),
+    ("2.6.0", {"gradient_accumulation_fusion": False}, ">= 2.7.0"),
     ("2.7.1", {"overlap_grad_reduce": True}, ">= 2.8.0"), ("2.10.0", {"tp_comm_overlap": True}, "--tp-comm-overlap"),
     ("2.10.0", {"overlap_grad_reduce": True, "gradient_accumulation_fusion": False}, None),
 ])
 def test_transformer_engine_delayed_wgrad_requirements(monkeypatch, version, flags, blocked) -> None:
-    """Megatron-LM's own TransformerEngine requirements for delay_wgrad_compute."""
+    """TransformerEngine >= 2.7 for delay_wgrad_compute, fused or not (2.3-2.6 have no weight-gradient hooks:
+    biases would never reach main_grad), and Megatron-LM's own >= 2.8 with overlap_grad_reduce."""
     install = importlib.import_module("megatron_bfpp.megatron.install")
 
     monkeypatch.setattr(install, "_te_version", lambda: version)
@@ -300,6 +302,30 @@ def test_transformer_engine_delayed_wgrad_requirements(monkeypatch, version, fla
     vars(args).update(transformer_impl="transformer_engine", **flags)
     reason = install.te_delayed_wgrad_blocker(args)
     assert (reason is None) if blocked is None else (blocked in reason), reason
+
+
+def test_install_refuses_delayed_wgrads_on_transformer_engine_before_2_7(restore, monkeypatch, capsys) -> None:
+    """TransformerEngine 2.3-2.6 with gradient-accumulation fusion: a split schedule does not build its layers with
+    delay_wgrad_compute (their biases would never train), and --delay-wgrad-compute given by hand is refused with
+    one error naming the flag and the fix, before anything is rebound."""
+    from megatron_bfpp.megatron.validation import ConfigError
+
+    install = importlib.import_module("megatron_bfpp.megatron.install")
+
+    monkeypatch.setattr(install, "_te_version", lambda: "2.6.0")
+    args = _args(*VIRTUAL, "--global-batch-size", "16", "--pipeline-schedule", "interleaved-zb")
+    vars(args).update(transformer_impl="transformer_engine", gradient_accumulation_fusion=True)
+    bm.install(args)
+    assert not args.delay_wgrad_compute and "TransformerEngine >= 2.7.0" in capsys.readouterr().out
+    bm.uninstall()
+    args.delay_wgrad_compute = True
+    with pytest.raises(ConfigError, match=r"--delay-wgrad-compute: .*>= 2\.7\.0.*Upgrade TransformerEngine, or drop "
+                                          r"--delay-wgrad-compute"):
+        bm.install(args)
+    assert not bm.is_installed()
+    monkeypatch.setattr(install, "_te_version", lambda: "2.7.0")
+    bm.install(args)  # recent enough: the flag stands
+    assert args.delay_wgrad_compute
 
 
 def test_split_schedule_builds_transformer_engine_layers_with_delayed_wgrads(restore, monkeypatch, capsys) -> None:

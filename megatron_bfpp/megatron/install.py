@@ -58,14 +58,18 @@ def _te_version() -> str | None:
     return None if str(version) == "0.0.0" else str(version)  # Megatron's answer when it is not importable
 
 
+# TransformerEngine before 2.7 (2.3-2.6) can queue weight GEMMs but has no wgrad_accumulation_and_reduce_hooks and
+# marks no parameter skip_backward_post_hook: the gradients its backward_dw() sets (biases; unfused weights) never
+# reach main_grad, so they would silently never train.
+TE_MIN_DELAYED_WGRAD = "2.7.0"
+
+
 def te_delayed_wgrad_blocker(args: argparse.Namespace) -> str | None:
     """Why TransformerEngine layers cannot delay their weight gradients to W with these arguments (None: they
-    can). The TransformerEngine versions are Megatron-LM's own requirements for delay_wgrad_compute."""
-    needed = "2.3.0"
-    if not getattr(args, "gradient_accumulation_fusion", False):
-        needed = "2.7.0"  # unfused delayed weight gradients
+    can): >= 2.7 (TE_MIN_DELAYED_WGRAD), and Megatron-LM's own requirement of >= 2.8 with overlap_grad_reduce."""
+    needed = TE_MIN_DELAYED_WGRAD
     if getattr(args, "overlap_grad_reduce", False):
-        needed = "2.8.0"  # their gradient hooks with Megatron's overlapped reduce
+        needed = "2.8.0"  # Megatron-LM's requirement for their gradient hooks with the overlapped reduce
     from packaging.version import Version  # a megatron-core dependency
 
     version = _te_version()
@@ -74,6 +78,29 @@ def te_delayed_wgrad_blocker(args: argparse.Namespace) -> str | None:
     if getattr(args, "tp_comm_overlap", False):
         return "TransformerEngine cannot delay weight gradients with --tp-comm-overlap (userbuffers)"
     return None
+
+
+def check_requested_delay(args: argparse.Namespace, cfg: PluginConfig) -> None:
+    """--delay-wgrad-compute given on the command line under the plugin's schedules: refused where the
+    TransformerEngine layers cannot delay correctly (ConfigError naming the flag and the fix)."""
+    from .validation import ConfigError
+
+    ours = any(mod is args and attr == "delay_wgrad_compute" for mod, attr, _ in _rebound)  # set by our install
+    if not cfg.uses_runtime or not getattr(args, "delay_wgrad_compute", False) or ours:
+        return
+    blocker = te_delayed_wgrad_blocker(args)
+    if blocker is None:
+        return
+    from packaging.version import Version
+
+    version = _te_version()
+    why = ""
+    if version is not None and Version(version) < Version(TE_MIN_DELAYED_WGRAD):
+        why = (" (TransformerEngine 2.3-2.6 has no weight-gradient hooks: the gradients its backward_dw() sets would "
+               "never reach main_grad, and those parameters would not train)")
+    raise ConfigError(
+        f"--delay-wgrad-compute: {blocker}{why}. Upgrade TransformerEngine, or drop --delay-wgrad-compute (the "
+        "plugin sets it itself for split-backward schedules wherever TransformerEngine can delay)")
 
 
 def delays_te_wgrads(args: argparse.Namespace, cfg: PluginConfig) -> bool:
@@ -237,6 +264,7 @@ def install(args: argparse.Namespace) -> PluginConfig:
     `UnsupportedMegatronError` when this megatron-core lacks a name to rebind. Installing again replaces the
     previous install."""
     cfg = validate_args(args)
+    check_requested_delay(args, cfg)
     # Resolve everything before touching Megatron: a failure below leaves it as it was.
     plan: list[tuple[Any, str, Any]] = []
     if cfg.uses_runtime:
