@@ -183,7 +183,7 @@ def _sharded_toy_worker(rank: int, world: int, cases) -> list:
                         for sl in b.pbuf.layout.slots}
             if kind != "self-accumulating":
                 grads[s]["backward_dw_calls"] = mod.linear.backward_dw_calls
-                grads[s]["left_queued"] = len(mod.linear.wgrad_queue)
+                grads[s]["left_queued"] = mod.linear.wgrad_store.context.qsize()
         results.append(grads)
     return results
 

@@ -10,7 +10,10 @@ reference's (the I/W split must accumulate every weight gradient into main_grad 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from tests.distributed import run_distributed
 from tests.test_train_equivalence import BASE, LOOPED, _all_full, _assert_params_close, _reference_worker
@@ -302,15 +305,51 @@ def test_w_hands_weight_gradients_to_autograd_in_bounded_batches(monkeypatch, ba
              sb.DeferredWeightGrad(weights[1], torch.randn(2, 3), torch.randn(2, 5)),
              sb.DeferredWeightGrad(weights[0], torch.randn(2, 4), torch.randn(2, 3))]
     expected = [items[0].compute() + items[2].compute(), items[1].compute()]
-    calls: list[int] = []
-    backward = torch.autograd.backward
-    monkeypatch.setattr(torch.autograd, "backward", lambda t, **kw: (calls.append(len(t)), backward(t, **kw)))
+    calls: list[int] = []  # weights per autograd call
+    hand_off = sb._HandOff.apply
+    monkeypatch.setattr(sb._HandOff, "apply", lambda grads, *w: (calls.append(len(w)), hand_off(grads, *w))[1])
     sb.backward_weight(sb.PendingWeightGrad([], deferred=items))
     torch.testing.assert_close(weights[0].grad, expected[0], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(weights[1].grad, expected[1], rtol=1e-6, atol=1e-7)
     assert items == []  # the W consumed its GEMMs
     assert calls == ([1, 1, 1] if batch_numel == 1 else [3])
     assert sorted(hook_calls.values()) == ([1, 2] if batch_numel == 1 else [1, 1])
+
+
+def test_fused_w_gives_watched_weights_the_cached_placeholder_and_others_none(monkeypatch):
+    """Gradient-accumulation fusion at W, as Megatron's linear backward: a weight a data-parallel wrapper watches
+    (it carries grad_added_to_main_grad) gets the flag and the placeholder gradient, one cached tensor per shape,
+    dtype and device that autograd takes as the weight's gradient without copying it (no weight-sized tensor per
+    W); a weight without the flag gets none (Megatron returns None) and no autograd call; main_grad gets the
+    GEMMs either way."""
+    import torch
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_bfpp.runtime import split_backward as sb
+
+    monkeypatch.setattr(layers, "fused_weight_gradient_mlp_cuda", _wgrad_kernel_stand_in([]), raising=False)
+    watched, plain = torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(3, 4))
+    for w in (watched, plain):
+        w.main_grad = torch.zeros(3, 4)
+    watched.grad_added_to_main_grad = False
+    seen = []
+
+    def hook(p):  # as a wrapper's: record, then clear the gradient
+        seen.append((p is watched, p.grad.untyped_storage().data_ptr()))
+        p.grad = None
+
+    for w in (watched, plain):
+        w.register_post_accumulate_grad_hook(hook)
+    torch.manual_seed(0)
+    x, g = torch.randn(2, 4), torch.randn(2, 3)
+    for _ in range(2):
+        sb.backward_weight(sb.PendingWeightGrad([], deferred=[sb.DeferredWeightGrad(w, x, g, fused=True)
+                                                              for w in (watched, plain)]))
+    cached = sb.placeholder_wgrad([3, 4], torch.float32, torch.device("cpu")).untyped_storage().data_ptr()
+    assert seen == [(True, cached)] * 2, (seen, cached)
+    assert watched.grad_added_to_main_grad and not hasattr(plain, "grad_added_to_main_grad") and plain.grad is None
+    for w in (watched, plain):
+        torch.testing.assert_close(w.main_grad, 2 * g.t() @ x, rtol=1e-6, atol=1e-7)
 
 
 def _wgrad_kernel_stand_in(calls: list):
@@ -496,3 +535,120 @@ def test_deferral_report_counts_each_weight_gemm_of_a_delaying_module():
     assert report_deferral(Chunk(), 2, "c", show=False) == "megatron_bfpp: c: 2 linear layers defer their weight GEMMs to W"
     partial = report_deferral(Chunk(), 1, "c", show=False)
     assert partial is not None and "cannot defer" in partial
+
+
+# TransformerEngine delayed weight gradients (tests/toy_pipeline.py's stand-in, per version band) on every split
+# schedule, P = 2, M = 4, where a chunk runs W after W (or after B) with no I between: the first W hands the
+# gradients the I's gave autograd (biases under FP8 / return_bias, the fused weights' placeholder) to the hooks,
+# which clear them; the next W must still give TransformerEngine a bias gradient and Megatron's DDP hook
+# (overlap_grad_reduce) a weight gradient. (schedule, wrapper, band, fused, bias: "gemm" = computed in the wgrad
+# GEMM at W, "return" = te_return_bias, "fp8" = at I under FP8.)
+CONSECUTIVE_W = [("zb-h1", "megatron-ddp", "2.8", True, "return"),
+                 ("interleaved-zb", "megatron-ddp", "2.10", True, "gemm"),
+                 ("breadth-first-zb", "megatron-ddp", "2.10", False, "fp8"),
+                 ("zb-h1", "zero-1", "2.7", False, "return"),
+                 ("interleaved-zb", "zero-2", "2.8", True, "fp8"),
+                 ("breadth-first-zb", "zero-3", "2.7", True, "return")]
+
+
+def _ws_without_i_since_last_w_or_b(schedule, rank: int) -> int:
+    """W's of this rank that follow a W or B of their stage with no I of it in between."""
+    from megatron_bfpp.schedule import Op
+
+    last: dict[int, Op] = {}
+    count = 0
+    for a in schedule.ranks[rank]:
+        if a.op in (Op.I, Op.W, Op.B):
+            count += a.op == Op.W and last.get(a.stage) in (Op.W, Op.B)
+            last[a.stage] = a.op
+    return count
+
+
+def _te_stand_in_worker(rank: int, world: int, cases) -> list:
+    import torch
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_bfpp import parallel
+    from megatron_bfpp.runtime import get_forward_backward_func, set_wait_timeout
+    from megatron_bfpp.runtime.forward_backward import last_schedule
+    from megatron_bfpp.sharded import ShardedDataParallel
+    from tests import toy_pipeline as toy
+    from tests.megatron_ddp_cpu_shim import megatron_ddp_on_cpu
+    from tests.strict_p2p import strict_p2p
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    set_wait_timeout(60)
+    pp, m = world, 4
+    results = []
+    for name, wrapper, band, fused, bias in cases:
+        vp = 1 if name == "zb-h1" else 2
+        parallel.init_parallel(pp, vp)
+        cfg = toy.make_transformer_config()
+        cfg.gradient_accumulation_fusion = fused
+        stages = [rank + c * pp for c in range(vp)]
+        modules = [toy.DelayedWgradToyStage(cfg, s, pp * vp, fuse_wgrad_accumulation=fused, version=band,
+                                            return_bias=bias == "return", fp8=bias == "fp8") for s in stages]
+        with megatron_ddp_on_cpu():
+            if wrapper == "megatron-ddp":
+                ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, delay_wgrad_compute=True)
+                chunks = [DistributedDataParallel(cfg, ddp_config, mod, disable_bucketing=i > 0)
+                          for i, mod in enumerate(modules)]
+                cfg.no_sync_func = [ch.no_sync for ch in chunks]  # as Megatron-LM's train() wires them
+                cfg.grad_sync_func = [ch.start_grad_sync for ch in chunks]
+            else:
+                pg = SimpleNamespace(pp=parallel.pp_group(), dp=parallel.dp_group())
+                chunks = [ShardedDataParallel(cfg, DistributedDataParallelConfig(), mod, pg_collection=pg,
+                                              zero_stage=int(wrapper[-1]), shard_align=1, param_align=1)
+                          for mod in modules]
+            for ch in chunks:
+                ch.zero_grad_buffer()
+            with strict_p2p():
+                get_forward_backward_func(name)(
+                    forward_step_func=toy.forward_step, data_iterator=[iter(toy.make_batches(m)) for _ in chunks],
+                    model=chunks, num_microbatches=m, seq_length=toy.SEQ, micro_batch_size=toy.MBS)
+            if wrapper == "megatron-ddp":
+                for ch in chunks:  # as finalize_model_grads does
+                    ch.finish_grad_sync()
+        grads = {}
+        for s, ch, mod in zip(stages, chunks, modules):
+            if wrapper == "megatron-ddp":
+                grads[s] = {n: p.main_grad.detach().clone() for n, p in mod.linear.named_parameters()}
+            else:
+                b = ch.flat_buffers[0]  # D = 1: the shard is the whole gradient
+                grads[s] = {sl.name.removeprefix("linear."): b.gbuf.main_grad_shard[sl.start:sl.end].view(sl.shape)
+                            .clone() for sl in b.pbuf.layout.slots}
+            grads[s]["left_queued"] = mod.linear.wgrad_store.context.qsize()
+            grads[s]["backward_dw_calls"] = mod.linear.backward_dw_calls
+        results.append({"grads": grads,
+                        "consecutive_ws": _ws_without_i_since_last_w_or_b(last_schedule(), rank)})
+        parallel.destroy_parallel()
+    return results
+
+
+@pytest.fixture(scope="module")
+def te_stand_in_runs():
+    return run_distributed(_te_stand_in_worker, 2, CONSECUTIVE_W, timeout=600)
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("index", range(len(CONSECUTIVE_W)),
+                         ids=["-".join(str(x) for x in c) for c in CONSECUTIVE_W])
+def test_transformer_engine_delayed_wgrads_with_consecutive_ws(te_stand_in_runs, index):
+    """TransformerEngine layers (stand-in at its version band) with delay_wgrad_compute, under Megatron's own DDP
+    with overlap_grad_reduce and gradient-accumulation fusion or under the sharded wrapper: a W after another W
+    or B on the same chunk runs (TransformerEngine's backward_dw would fail on a bias whose gradient came at I,
+    Megatron's hook on a fused weight's missing placeholder), every queued GEMM runs once, and main_grad equals
+    the single-process reference."""
+    from tests import toy_pipeline as toy
+
+    case = CONSECUTIVE_W[index]
+    vp = 1 if case[0] == "zb-h1" else 2
+    _, ref = toy.reference(2 * vp, toy.make_batches(4))
+    assert sum(per_rank[index]["consecutive_ws"] for per_rank in te_stand_in_runs) > 0, case  # what this is for
+    for r, per_rank in enumerate(te_stand_in_runs):
+        got = per_rank[index]
+        for s, grads in got["grads"].items():
+            assert (grads["backward_dw_calls"], grads["left_queued"]) == (4, 0), (case, s, grads)
+            torch.testing.assert_close(grads["weight"], ref[s][0], rtol=1e-5, atol=1e-6, msg=f"{case} stage {s}")
+            torch.testing.assert_close(grads["bias"], ref[s][1], rtol=1e-5, atol=1e-6, msg=f"{case} stage {s}")

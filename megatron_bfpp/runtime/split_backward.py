@@ -20,10 +20,13 @@ A linear defers unless it defers its embedding wgrad itself (a column-parallel l
 gradient over the tensor-parallel group at I, as Megatron's does; with sequence parallelism I gathers the
 input, which its W keeps, and reduce-scatters the input gradient); with gradient-accumulation fusion its W
 accumulates into `main_grad` with Megatron's fused kernel and hands autograd a placeholder, as Megatron's
-linear does in its backward. TransformerEngine layers built with `delay_wgrad_compute` (>= 2.3; the plugin's
-Megatron-LM install builds them so for split schedules) queue their weight-gradient GEMMs themselves: W calls
-their `backward_dw()`, whose hooks reach the data-parallel wrapper, and a B on such a chunk calls it right
-after its backward. Any other layer (TransformerEngine without the delay) runs its backward whole at I, once:
+linear does in its backward. TransformerEngine layers built with `delay_wgrad_compute` (>= 2.7, the first with
+the weight-gradient hooks; the plugin's Megatron-LM install builds them so for split schedules) queue their
+weight-gradient GEMMs themselves: W calls their `backward_dw()`, whose hooks reach the data-parallel wrapper,
+and a B on such a chunk calls it right after its backward. Parameters whose gradient such a layer hands autograd
+at I instead (biases under FP8 or `return_bias`, the placeholder weight gradient under gradient-accumulation
+fusion) get a placeholder before a later `backward_dw()` finds their gradient already taken (see
+`run_delayed_wgrads`). Any other layer (TransformerEngine without the delay) runs its backward whole at I, once:
 Megatron-Core chunks never take the graph split, whose W would run such a layer's backward again.
 Loss scaling on the last stage follows Megatron's `backward_step`. Outputs of split schedules are not
 pseudo-deallocated (autograd checks their shapes), which keeps one output per pending I.
@@ -50,9 +53,9 @@ class DeferredWeightGrad:
     output_grad: torch.Tensor
     fused: bool = False  # gradient-accumulation fusion: accumulate into weight.main_grad, as Megatron's kernel
 
-    def compute(self) -> torch.Tensor:
-        """The gradient autograd accumulates on the weight: the GEMM's result, or (fused) a placeholder after
-        the GEMM was accumulated into main_grad, as Megatron's fused linear returns one to fire the hooks."""
+    def compute(self) -> torch.Tensor | None:
+        """The gradient autograd accumulates on the weight: the GEMM's result, or (fused) after the GEMM was
+        accumulated into main_grad what Megatron's fused linear returns (a placeholder, or None)."""
         if self.fused:
             return _accumulate_into_main_grad(self.weight, self.input, self.output_grad)
         g, x = self.output_grad, self.input
@@ -60,11 +63,12 @@ class DeferredWeightGrad:
 
 
 def _accumulate_into_main_grad(weight: torch.nn.Parameter, input: torch.Tensor,
-                               output_grad: torch.Tensor) -> torch.Tensor:
-    """Megatron's fused weight-gradient accumulation, as in its linear's backward: main_grad += output_grad^T @
-    input (the gathered sequence under sequence parallelism) with apex's kernel, then a placeholder gradient
-    (zeros where the wrapper adds it anyway) and grad_added_to_main_grad, so the data-parallel hook does not
-    add it again."""
+                               output_grad: torch.Tensor) -> torch.Tensor | None:
+    """Megatron's fused weight-gradient accumulation, as in its linear's backward
+    (`LinearWithGradAccumulationAndAsyncCommunication.backward`): main_grad += output_grad^T @ input (the gathered
+    sequence under sequence parallelism) with apex's kernel. A weight a data-parallel wrapper watches (it carries
+    `grad_added_to_main_grad`) then gets the placeholder gradient and the flag, so the wrapper's hook fires and
+    does not add it again; any other weight gets None, as Megatron returns."""
     from megatron.core.tensor_parallel import layers
 
     grad_output, total_input = layers.prepare_input_tensors_for_wgrad_compute(output_grad, input)
@@ -75,9 +79,39 @@ def _accumulate_into_main_grad(weight: torch.nn.Parameter, input: torch.Tensor,
         layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16(total_input, grad_output, main_grad)
     else:
         raise RuntimeError(f"megatron_bfpp: gradient-accumulation fusion into a {main_grad.dtype} main_grad")
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
     weight.grad_added_to_main_grad = True
-    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-    return make(main_grad.shape, dtype=input.dtype, device=main_grad.device)
+    return placeholder_wgrad(main_grad.shape, input.dtype, main_grad.device,
+                             zero=getattr(weight, "zero_out_wgrad", False))
+
+
+_placeholders: dict[tuple, torch.Tensor] = {}
+
+
+def placeholder_wgrad(shape: torch.Size | list[int], dtype: torch.dtype, device: torch.device,
+                      zero: bool = False) -> torch.Tensor:
+    """The gradient handed to a weight whose real gradient went into `main_grad`: only its hooks need it. One
+    cached tensor per (shape, dtype, device), handed out as a fresh alias (`detach()`), as TransformerEngine's
+    `get_dummy_wgrad` (module/base.py) does and Megatron's linear uses: autograd's AccumulateGrad then keeps the
+    alias instead of cloning it (torch's accumulate_grad.h, "stealable" new_grad), so no weight-sized tensor is
+    allocated per W. TransformerEngine's own cache where it is present (CUDA), so layers of both kinds share it;
+    `zero` refills it with zeros (`zero_out_wgrad`: the wrapper adds it)."""
+    if device.type == "cuda":
+        try:
+            from transformer_engine.pytorch.module.base import get_dummy_wgrad
+        except ImportError:
+            pass
+        else:
+            with torch.cuda.device(device):
+                return get_dummy_wgrad(list(shape), dtype, zero=zero)
+    key = (tuple(shape), dtype, device)
+    cached = _placeholders.get(key)
+    if cached is None:
+        cached = _placeholders[key] = torch.empty(key[0], dtype=dtype, device=device)
+    if zero:
+        cached.zero_()
+    return cached.detach()
 
 
 # While not None: linear forwards build deferring nodes, and their backwards append here. A module-level
@@ -207,8 +241,8 @@ def split_friendly_linears(chunk: torch.nn.Module) -> int:
 
 
 def _delays_wgrad(module: torch.nn.Module) -> bool:
-    """TransformerEngine's delayed weight gradients (>= 2.3, built with delay_wgrad_compute): the module's backward
-    queues its weight-gradient GEMMs and `backward_dw()` runs the oldest."""
+    """TransformerEngine's delayed weight gradients (built with delay_wgrad_compute; the plugin's install requires
+    >= 2.7): the module's backward queues its weight-gradient GEMMs and `backward_dw()` runs the oldest."""
     if not callable(getattr(module, "backward_dw", None)):
         return False
     need = getattr(module, "need_backward_dw", None)
@@ -231,8 +265,38 @@ def delayed_wgrad_modules(chunk: torch.nn.Module) -> list[torch.nn.Module]:
                     "delay_wgrad_compute) but its Megatron config has delay_wgrad_compute=False, so its backward_dw() "
                     "would drop them: build the model with config.delay_wgrad_compute=True (the plugin's install does "
                     "for split-backward schedules) or without TransformerEngine's delay")
+        for m in found:
+            _watch_grads_at_input_grad(m)
         chunk._bfpp_delayed_wgrad = found[::-1]
     return chunk._bfpp_delayed_wgrad
+
+
+def _params_set_at_w(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters whose gradients the module's `backward_dw()` sets and hands to its hooks: those
+    TransformerEngine marks `skip_backward_post_hook` when it delays (its weight_names and bias_names). Found once
+    per module (every W asks)."""
+    if not hasattr(module, "_bfpp_set_at_w"):
+        module._bfpp_set_at_w = [p for p in module.parameters() if getattr(p, "skip_backward_post_hook", False)]
+    return module._bfpp_set_at_w
+
+
+def _mark_grad_at_input_grad(param: torch.nn.Parameter):
+    def hook(grad: torch.Tensor | None) -> None:
+        if grad is not None:
+            param._bfpp_grad_at_i = True
+
+    return hook
+
+
+def _watch_grads_at_input_grad(module: torch.nn.Module) -> None:
+    """Record which of the module's delayed parameters autograd hands a gradient in the module's own backward
+    (at I): TransformerEngine computes a bias's gradient there under FP8 or `return_bias` (its `backward_dw()`
+    then has None for it), and returns its placeholder weight gradient there under gradient-accumulation
+    fusion. Observed rather than derived from the layer's flags, which differ per module and version."""
+    for p in _params_set_at_w(module):
+        if not getattr(p, "_bfpp_watched", False):
+            p.register_hook(_mark_grad_at_input_grad(p))
+            p._bfpp_watched = True
 
 
 def writes_main_grad_at_input_grad(chunk: torch.nn.Module, config: Any) -> bool:
@@ -261,8 +325,24 @@ def delayed_linears(modules: list[torch.nn.Module]) -> int:
 
 def run_delayed_wgrads(modules: list[torch.nn.Module]) -> None:
     """The oldest queued weight-gradient GEMMs of each module; their hooks hand the results to the data-parallel
-    wrapper (Megatron's DDP with delay_wgrad_compute, or the sharded wrapper)."""
+    wrapper (Megatron's DDP with delay_wgrad_compute, or the sharded wrapper).
+
+    TransformerEngine's `backward_dw()` (module/base.py; >= 2.7) sets `bias.grad = bgrad.to(...)` when the
+    bias has no gradient, where bgrad is None if the bias got its gradient at I; with gradient-accumulation
+    fusion it leaves `weight.grad` alone, which holds the placeholder its backward returned at I. The first W
+    after an I hands both to the hooks, which clear them; a later W before the next I on this chunk (W after W or
+    B) would find them None: TransformerEngine then fails on the bias, and Megatron's DDP hook, with
+    overlap_grad_reduce, asserts the gradient is not None. Such parameters get what the I gave them in place of
+    what it already handed over: zeros for a bias (the hook adds them), the placeholder for a fused weight (the
+    hook skips it: grad_added_to_main_grad is still set from the I)."""
     for m in modules:
+        for p in _params_set_at_w(m):
+            if p.grad is None and getattr(p, "_bfpp_grad_at_i", False):
+                if getattr(p, "grad_added_to_main_grad", False):
+                    p.grad = placeholder_wgrad(p.main_grad.shape, p.dtype, p.main_grad.device,
+                                               zero=getattr(p, "zero_out_wgrad", False))
+                else:
+                    p.grad = torch.zeros_like(p)  # bias-sized: a fresh one, never aliased by a cache
         m.backward_dw()
 
 
@@ -344,6 +424,25 @@ def backward_input(input_tensor: torch.Tensor | None, output: torch.Tensor, outp
 W_BATCH_NUMEL = 1 << 22
 
 
+class _HandOff(torch.autograd.Function):
+    """A root node whose backward returns the given gradients for `weights`: autograd accumulates them (hooks
+    fire as in a fused backward) and, as the engine holds their only reference, takes each tensor as the
+    weight's gradient instead of copying it (torch's accumulate_grad.h, "stealable" new_grad), which
+    `torch.autograd.backward(weights, grads)` cannot (its root keeps a reference)."""
+
+    @staticmethod
+    def forward(ctx, grads: list[torch.Tensor], *weights: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return torch.empty((), device=weights[0].device)
+
+    @staticmethod
+    def backward(ctx, _unused: torch.Tensor):
+        grads, ctx.grads = ctx.grads, None
+        out = (None, *grads)
+        grads.clear()
+        return out
+
+
 def backward_weight(pending: PendingWeightGrad) -> None:
     """W: accumulate the weight gradients (hooks fire as in a fused backward)."""
     if pending.deferred is not None:
@@ -354,12 +453,15 @@ def backward_weight(pending: PendingWeightGrad) -> None:
         grads: list[torch.Tensor] = []
         numel = 0
         for k, item in enumerate(pending.deferred):
-            weights.append(item.weight)
             with torch.no_grad():  # the operands are graph tensors: record nothing for this GEMM
-                grads.append(item.compute())
-            numel += grads[-1].numel()
-            if k + 1 == len(pending.deferred) or numel >= W_BATCH_NUMEL:
-                torch.autograd.backward(weights, grad_tensors=grads)
+                grad = item.compute()
+            if grad is not None:  # None: fused into main_grad, no wrapper watching the weight (as Megatron)
+                weights.append(item.weight)
+                grads.append(grad)
+                numel += grad.numel()
+                del grad
+            if weights and (k + 1 == len(pending.deferred) or numel >= W_BATCH_NUMEL):
+                _HandOff.apply(grads, *weights).backward()
                 weights, grads, numel = [], [], 0
         pending.deferred.clear()
         return
