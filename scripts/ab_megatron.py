@@ -14,8 +14,8 @@ added with --add-variant NAME=stock|plugin:"FLAGS", e.g. later schedules):
   with Megatron's distributed optimizer and breadth-first-zb with ZeRO-3 (under gradient-accumulation fusion,
   Megatron-LM's default, layers that cannot defer write main_grad at I, where ZeRO-3 then gives their stage its
   gradient buffer). Their W's move work only on layers
-  that defer their weight GEMMs (Megatron-Core's local linears) and on TransformerEngine layers built with delay_wgrad_compute (TransformerEngine >= 2.3,
-  2.7 unfused); with an older TransformerEngine every W's work runs at its I, and these variants measure the
+  that defer their weight GEMMs (Megatron-Core's local linears) and on TransformerEngine layers built with delay_wgrad_compute (TransformerEngine >= 2.7,
+  2.8 with --overlap-grad-reduce); with an older TransformerEngine every W's work runs at its I, and these variants measure the
   split's overhead, not a gain (rank 0's log says how many linear layers deferred).
 
 Every variant gets the same model-level settings: --bf16 (fp32 on --cpu-smoke), TransformerEngine layers when
