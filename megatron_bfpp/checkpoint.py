@@ -3,8 +3,9 @@
 Layout on disk (Megatron-LM's): `DIR/iter_0000042/` holds a torch_dist checkpoint, `DIR/
 latest_checkpointed_iteration.txt` names the newest complete one. The state dict is the one Megatron-LM's
 `generate_state_dict` builds: `model` / `model0..V-1` (each chunk's `sharded_state_dict()`: global layer
-keys, so any P and V can read it), `optimizer` (ShardedOptimizer's model-space sharded state: any D, P, V,
-ZeRO stage), `opt_param_scheduler`, `rng_state` (a ShardedObject per pipeline rank), `iteration`, `args`,
+keys, so any P and V can read it), `optimizer` (ShardedOptimizer's state in Megatron's distributed-optimizer
+`fully_reshardable` format, named in the checkpoint's content metadata: any D, P, V, ZeRO stage; stock
+Megatron reads it too), `opt_param_scheduler`, `rng_state` (a ShardedObject per pipeline rank), `iteration`, `args`,
 plus `bfpp` (consumed samples, the layout and model shape that wrote it).
 
 Atomic save: every rank writes into `iter_XXXXXXX.tmp`, rank 0 fsyncs the files, renames the directory and
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 TRACKER = "latest_checkpointed_iteration.txt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the optimizer state in Megatron's fully_reshardable format (1: an own format)
 
 # Flags that fix the shapes of the model's tensors: a checkpoint loads only where they agree.
 MODEL_SHAPE_FLAGS = (
@@ -186,9 +187,18 @@ def _model_key(i: int, n: int) -> str:
 
 
 def _sharded_metadata() -> dict:
+    """What Megatron-LM passes to sharded_state_dict and saves as the checkpoint's content metadata; the
+    optimizer state is always in the distributed optimizer's model-space format."""
     from megatron.core import parallel_state as ps
 
-    return {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    from .sharded.checkpoint import FULLY_RESHARDABLE
+
+    return {"distrib_optim_sharding_type": FULLY_RESHARDABLE,
+            "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+
+
+def _content_metadata(metadata: dict) -> dict:
+    return {k: v for k, v in metadata.items() if k != "dp_cp_group"}  # a process group is no file content
 
 
 def _layout(a: argparse.Namespace, model: Sequence[torch.nn.Module]) -> dict[str, Any]:
@@ -203,11 +213,11 @@ def _layout(a: argparse.Namespace, model: Sequence[torch.nn.Module]) -> dict[str
 
 def build_state_dict(
     a: argparse.Namespace, model: Sequence[torch.nn.Module], optimizer: Any, scheduler: Any, iteration: int,
-    consumed_samples: int, *, loading: bool = False, include_rng: bool = True,
+    consumed_samples: int, *, loading: bool = False, include_rng: bool = True, metadata: dict | None = None,
 ) -> dict:
     """The sharded state dict Megatron-LM's generate_state_dict builds (for saving, or as the load template).
     `optimizer` None leaves the optimizer out (--no-save-optim, --no-load-optim)."""
-    metadata = _sharded_metadata()
+    metadata = _sharded_metadata() if metadata is None else metadata
     sd: dict[str, Any] = {"checkpoint_version": 3.0, "iteration": iteration}
     for i, chunk in enumerate(model):
         sd[_model_key(i, len(model))] = chunk.sharded_state_dict(metadata=metadata)
@@ -302,10 +312,12 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save
         os.makedirs(tmp)
     dist.barrier()
+    metadata = _sharded_metadata()
     sd = build_state_dict(args, model, None if args.no_save_optim else optimizer, scheduler, iteration,
-                          consumed_samples, include_rng=not args.no_save_rng)
+                          consumed_samples, include_rng=not args.no_save_rng, metadata=metadata)
     dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy(), validate_access_integrity=True,
-                            preprocess_common_before_consistancy_check=_drop_rank_specific)
+                            preprocess_common_before_consistancy_check=_drop_rank_specific,
+                            content_metadata=_content_metadata(metadata))
     if before_commit is not None:
         before_commit()  # fault-injection point: the shards are written, nothing is committed
     dist.barrier()
@@ -390,8 +402,15 @@ def load_checkpoint(
     if load_optim and "optimizer" not in common:  # its non-sharded part (step, groups) is always common
         raise CheckpointError(f"--load {root}: iteration {iteration} was saved with --no-save-optim; pass "
                               "--no-load-optim (or --finetune) to load the model only")
+    if load_optim and bfpp.get("format", FORMAT_VERSION) != FORMAT_VERSION:
+        raise CheckpointError(f"--load {root}: iteration {iteration} holds optimizer state in megatron_bfpp's "
+                              f"checkpoint format {bfpp.get('format')} (this version reads {FORMAT_VERSION}); "
+                              "pass --no-load-optim to load the model only")
+    # The optimizer state's format as the checkpoint names it (a stock Megatron checkpoint: its own).
+    metadata = {**(dist_checkpointing.load_content_metadata(path) or {}),
+                "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
     template = build_state_dict(args, model, optimizer if load_optim else None, scheduler, iteration, 0,
-                                loading=True, include_rng=load_rng)
+                                loading=True, include_rng=load_rng, metadata=metadata)
     try:
         loaded = dist_checkpointing.load(template, path)
     except Exception as e:  # CheckpointingException and torch DCP errors: name the directory

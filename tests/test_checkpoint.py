@@ -14,6 +14,8 @@ Killed rank: A's run under `bfpp train` (torchrun, 4 processes) saving at iterat
 during iteration 6: the launcher fails within the timeout plus a margin naming rank 2 as the root cause, the
 survivors report the lost peer themselves; R resumes from its last checkpoint (iteration 3) and repeats
 iterations 4-6 with A's losses bit for bit.
+bf16 with dropout 0.1 (same layout): S trains 4 iterations saving at 2; T resumes from iteration 2 and ends
+with S's losses and state bit for bit (fp32 master weights and RNG states restored).
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ D4_P1_V2 = ["--pipeline-model-parallel-size", "1", "--num-layers-per-virtual-pip
             "--pipeline-schedule", "breadth-first", "--zero-stage", "2"]
 D1_P2_V1 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe", "--zero-stage", "1"]
 RTOL, ATOL = 1e-5, 1e-6
+# The reference layout in bf16 with dropout, 4 iterations: a resume must restore the fp32 master weights (they
+# differ from the bf16 weights) and the RNG state (the dropout masks of the resumed iterations).
+NOISY = BASE + REFERENCE + ["--bf16"]
+for _flag, _value in (("--train-iters", "4"), ("--hidden-dropout", "0.1"), ("--attention-dropout", "0.1")):
+    NOISY[NOISY.index(_flag) + 1] = _value
 
 
 def _train(argv: list[str], world: int, state: dict | None = None, key: str = "") -> list[float]:
@@ -77,7 +84,7 @@ def _final_state(trainer) -> dict:
             "replicated": [clone(r) for r in sd["replicated"]], "scheduler": trainer.scheduler.state_dict()}
 
 
-def _reference_worker(rank: int, world: int, ckpt: str, killed_ckpt: str) -> dict:
+def _reference_worker(rank: int, world: int, ckpt: str, killed_ckpt: str, noisy_ckpt: str) -> dict:
     import datetime
 
     import torch.distributed as dist
@@ -93,6 +100,9 @@ def _reference_worker(rank: int, world: int, ckpt: str, killed_ckpt: str) -> dic
     out["D"] = _train(BASE + D4_P1_V2 + ["--load", ckpt], world)
     out["model_only"] = _train(BASE + REFERENCE + ["--load", ckpt, "--no-load-optim", "--exit-interval", "4"], world)
     out["R"] = _train(BASE + REFERENCE + ["--load", killed_ckpt], world, states, "R")
+    # bf16 with dropout: 4 iterations saving at 2 (and 4), then a resume from iteration 2 (--ckpt-step).
+    out["S"] = _train(NOISY + ["--save", noisy_ckpt, "--save-interval", "2"], world, states, "S")
+    out["T"] = _train(NOISY + ["--load", noisy_ckpt, "--ckpt-step", "2"], world, states, "T")
     return {"losses": out, "state": states}
 
 
@@ -114,7 +124,8 @@ def killed(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, killed) -> dict:
     ckpt = str(tmp_path_factory.mktemp("ckpt") / "run")
-    results = run_distributed(_reference_worker, 4, ckpt, killed["ckpt"], timeout=600)
+    noisy = str(tmp_path_factory.mktemp("noisy") / "run")
+    results = run_distributed(_reference_worker, 4, ckpt, killed["ckpt"], noisy, timeout=600)
     assert all(r["losses"] == results[0]["losses"] for r in results)  # every rank learns the global loss
     return {**results[0]["losses"], "ckpt": ckpt, "states": [r["state"] for r in results]}
 
@@ -147,6 +158,19 @@ def test_resume_is_bitwise_identical(reference):
     assert reference["B"] == a[:3]
     assert reference["tracker_after_B"].strip() == "3"
     assert reference["C"] == a[3:]  # exact float equality: nothing lost, nothing changed
+
+
+@pytest.mark.timeout(900)
+def test_bf16_dropout_resume_restores_master_weights_and_rng_bitwise(reference):
+    """S: bf16, dropout 0.1, 4 iterations saving at 2. T: resumed from S's iteration 2. Iterations 3-4 and the
+    final state (bf16 weights, fp32 masters, moments) equal S's bit for bit: the masters were restored (not
+    re-derived from the bf16 weights) and so were the RNG states (dropout draws the same masks)."""
+    s = reference["S"]
+    assert len(s) == 4 and reference["T"] == s[2:]
+    for rank, state in enumerate(reference["states"]):
+        masters = [b["main_param"] for b in state["S"]["buckets"]]
+        assert masters and all(m.dtype == torch.float32 for m in masters), f"rank {rank}: no fp32 masters"
+        _assert_bitwise_equal(state["T"], state["S"], f"rank {rank}")
 
 
 @pytest.mark.timeout(900)

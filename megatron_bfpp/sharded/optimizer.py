@@ -25,7 +25,7 @@ from torch.optim.adam import adam as functional_adam
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from . import comm
-from .checkpoint import load_model_space_state, model_space_sharded_state_dict
+from .checkpoint import load_megatron_state, loading_sharded_state_dict, saving_sharded_state_dict
 from .ddp import ShardedDataParallel, _Bucket, is_expert_parallel
 from .driver import link_stats, memory_stats
 from .grad_scaler import ConstantGradScaler, make_grad_scaler
@@ -348,9 +348,11 @@ class ShardedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        if "param_state" in state_dict:
-            load_model_space_state(self.get_parameters(), self._param_loc, self.chunks, state_dict)
-            self._load_common(state_dict)
+        if "param_state" in state_dict:  # dist_checkpointing: any of Megatron's Adam formats
+            self._step, scaler = load_megatron_state(self.get_parameters(), self._param_loc, self.param_groups,
+                                                     state_dict)
+            if self.grad_scaler is not None and scaler:
+                self.grad_scaler.load_state_dict(scaler)
         else:
             self._load_local_state(state_dict)
         self._copy_main_params_to_model_params()
@@ -391,13 +393,16 @@ class ShardedOptimizer(MegatronOptimizer):
             self.grad_scaler.load_state_dict(sd["grad_scaler"])
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None, **kwargs):
-        """Optimizer state for Megatron's dist_checkpointing, in model space: per parameter, fp32 tensors
-        ('fp32_param', 'exp_avg', 'exp_avg_sq') of the parameter's shape, carrying the parameter's own
-        ShardedTensor offsets, so the checkpoint loads at any data-parallel size, P and V."""
-        return {**model_space_sharded_state_dict(self.get_parameters(), self._param_loc, self._bucket_state,
-                                                 self.chunks, model_sharded_state_dict, is_loading),
-                "step": self._step, "param_groups": self._group_hparams(),
-                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
+        """Optimizer state for Megatron's dist_checkpointing in Megatron's own formats (sharded/checkpoint.py):
+        saved as its distributed optimizer's `fully_reshardable` model-space state, loadable by stock Megatron
+        with or without --use-distributed-optimizer; loaded from that or from stock's plain Adam optimizers, at
+        any data-parallel size, P, V and ZeRO stage."""
+        if is_loading:
+            return loading_sharded_state_dict(self.get_parameters(), self._param_loc, model_sharded_state_dict,
+                                              metadata)
+        return saving_sharded_state_dict(
+            self.get_parameters(), self._param_loc, self._bucket_state, self._step, self._group_hparams(),
+            None if self.grad_scaler is None else self.grad_scaler.state_dict(), model_sharded_state_dict, metadata)
 
     # -- accounting ------------------------------------------------------------------------------------------
 
