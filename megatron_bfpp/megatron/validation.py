@@ -253,23 +253,6 @@ def _check_zero_stage_readers(args: argparse.Namespace, zero: int) -> None:
         )
 
 
-def _check_zero_stage_expert_parallel(args: argparse.Namespace, zero: int) -> None:
-    """MoE with expert parallelism under --zero-stage: expert parameters shard over the expert-data-parallel
-    group; what does not handle those shards yet is refused here, before any process group exists."""
-    ep = int(_flag(args, "expert_model_parallel_size", 1) or 1)
-    if ep <= 1:
-        return
-    for path, flag, skip in ((_flag(args, "save"), "--save", "--no-save-optim"),
-                             (_flag(args, "load"), "--load", "--no-load-optim")):
-        if path and not _flag(args, skip.lstrip("-").replace("-", "_"), False):
-            raise ConfigError(
-                f"{flag} with --expert-model-parallel-size {ep} and --zero-stage {zero}: the sharded optimizer's "
-                "checkpoint does not handle expert parameters sharded over the expert-data-parallel group yet; "
-                f"add {skip} (the model weights are still {'saved' if flag == '--save' else 'loaded'}), or drop "
-                "--zero-stage and use --use-distributed-optimizer"
-            )
-
-
 def validate_args(args: argparse.Namespace) -> PluginConfig:
     """Validate Megatron-LM's parsed and validated `args` (after Megatron's own `validate_args`) with the plugin's
     flags; return the resolved configuration or raise one `ConfigError` naming the flags and the fix."""
@@ -338,7 +321,6 @@ def validate_args(args: argparse.Namespace) -> PluginConfig:
                 )
     if zero is not None:
         _check_zero_stage_readers(args, zero)
-        _check_zero_stage_expert_parallel(args, zero)
     if _flag(args, "fp16", False):
         scale = _flag(args, "loss_scale")
         if scale is not None and float(scale) <= 1.0:
