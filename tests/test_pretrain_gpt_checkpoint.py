@@ -178,6 +178,6 @@ def test_bucket_space_distributed_optimizer_checkpoint_is_refused_with_the_way_o
 
     for fmt in ("dp_reshardable", "dp_zero_gather_scatter"):
         with pytest.raises(OptimizerCheckpointError) as e:
-            loading_sharded_state_dict(None, {}, {"distrib_optim_sharding_type": fmt})  # type: ignore[arg-type]
+            loading_sharded_state_dict([], {}, {}, {"distrib_optim_sharding_type": fmt})
         msg = str(e.value)
         assert fmt in msg and "--dist-ckpt-optim-fully-reshardable" in msg and "--no-load-optim" in msg, msg
