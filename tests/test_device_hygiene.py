@@ -56,6 +56,8 @@ HOST_DATA = {
     ("data.py", "causal_mask", ("ones",)):
         "the data loader's attention mask is host data like its batches (as Megatron's loader); "
         "gpt_forward_step moves the batch to the model's device",
+    ("sharded/checkpoint.py", "saving_sharded_state_dict", ("tensor",)):
+        "the checkpoint's optimizer step is a CPU scalar, as torch's Adam and Megatron's optimizers save it",
     ("faults.py", "check_numerics", ("zeros",)):
         "the per-rank NaN flags are built on the host and moved to the group's device for the all-reduce",
 }
