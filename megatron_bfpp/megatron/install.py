@@ -130,11 +130,24 @@ def split_backward_note(args: argparse.Namespace, cfg: PluginConfig) -> str | No
 
 def delayed_wgrad_post_init(original: Callable) -> Callable:
     """TransformerConfig.__post_init__ that accepts delay_wgrad_compute on any model: Megatron's check ties the
-    flag to MoE expert-parallel overlap (its own user of it); the split schedules use it for every layer."""
+    flag to MoE expert-parallel overlap (its own user of it); the split schedules use it for every layer.
+
+    Hiding the flag from Megatron's checks would also skip their other refusal of it, which stays: Megatron-Core
+    0.19's TransformerConfig.__post_init__ (megatron/core/transformer/transformer_config.py, "Check
+    delay_wgrad_compute compatibility") asserts `not self.delay_wgrad_compute` under
+    overlap_dispatch_backward_with_experts_wgrad. That flag makes MoELayer run the experts' queued weight GEMMs
+    itself inside the backward (_RegisterDelayedWgradForExperts.backward calls `module.backward_dw(...)`,
+    megatron/core/transformer/moe/moe_layer.py), and the split schedule's W would pop TransformerEngine's queue
+    a second time ("Pop empty queue"). Argument validation refuses the flag earlier, by its Megatron-LM name."""
 
     @functools.wraps(original)
     def __post_init__(self) -> None:
         delayed = getattr(self, "delay_wgrad_compute", False)
+        if delayed and getattr(self, "overlap_dispatch_backward_with_experts_wgrad", False):
+            raise AssertionError(  # Megatron's own assertion and text
+                "delay_wgrad_compute and overlap_dispatch_backward_with_experts_wgrad are mutually exclusive; use "
+                "only one (megatron_bfpp: split-backward schedules set delay_wgrad_compute; drop "
+                "overlap_dispatch_backward_with_experts_wgrad)")
         self.delay_wgrad_compute = False
         try:
             original(self)

@@ -253,6 +253,55 @@ def _check_zero_stage_readers(args: argparse.Namespace, zero: int) -> None:
         )
 
 
+def _check_queued_weight_gradients(cfg: PluginConfig, args: argparse.Namespace) -> None:
+    """Megatron-LM features that run TransformerEngine's queued weight-gradient GEMMs themselves, or build layers
+    whose queue never fills, where the plugin's schedule runs every queued GEMM of a TransformerEngine layer
+    itself: its W (split-backward schedules), or right after a B, calls `backward_dw()` on each layer whose
+    weight gradients are queued (`runtime/split_backward.py` `run_delayed_wgrads`), and TransformerEngine's
+    `WeightGradStore.pop` (module/_common.py) raises "Pop empty queue" when that layer's queue is empty."""
+    from .install import delays_te_wgrads  # install imports this module
+
+    schedule = cfg.pipeline_schedule
+    if _flag(args, "overlap_dispatch_backward_with_experts_wgrad", False):
+        # Megatron queues the experts' weight GEMMs for this flag alone (TEGroupedLinear.__init__:
+        # `delay_wgrad_compute = config.delay_wgrad_compute or config.overlap_dispatch_backward_with_experts_wgrad`,
+        # megatron/core/extensions/transformer_engine.py) and runs them inside the backward's autograd pass:
+        # MoELayer.dispatch wraps its input in _RegisterDelayedWgradForExperts, whose backward calls
+        # `module.backward_dw(routed_experts=True, ...)` (megatron/core/transformer/moe/moe_layer.py). The plugin's
+        # W, or the backward_dw after a B, pops the same queue again. Megatron's own TransformerConfig.__post_init__
+        # check (megatron/core/transformer/transformer_config.py: "delay_wgrad_compute and
+        # overlap_dispatch_backward_with_experts_wgrad are mutually exclusive") is kept under the plugin's
+        # install (install.delayed_wgrad_post_init), but it sees only the model's config, after the process
+        # groups exist; without the plugin's delay (fused schedules, TransformerEngine < 2.7) the runtime's
+        # check of the experts' config (split_backward.delayed_wgrad_modules) fails at the first step instead.
+        split = (" (split-backward schedules defer the experts' weight gradients to W themselves, with "
+                 "TransformerEngine >= 2.7)" if schedule in SPLIT_BACKWARD_SCHEDULES else "")
+        raise ConfigError(
+            f"--overlap-dispatch-backward-with-experts-wgrad with --pipeline-schedule {schedule}: Megatron then runs "
+            "the experts' queued weight-gradient GEMMs inside the backward pass (_RegisterDelayedWgradForExperts), "
+            "and the plugin's schedule runs every queued GEMM of a TransformerEngine layer itself (at W, or right "
+            "after a B), so TransformerEngine's queue is popped twice (\"Pop empty queue\"); drop "
+            f"--overlap-dispatch-backward-with-experts-wgrad{split}, or use --pipeline-schedule default"
+        )
+    if _flag(args, "use_transformer_engine_op_fuser", False) and delays_te_wgrads(args, cfg):
+        # The plugin builds every TransformerEngine layer with delay_wgrad_compute here. Megatron's TEFusedMLP
+        # (megatron/core/extensions/transformer_engine.py) runs its MLP through te.pytorch.ops.Sequential built from
+        # the weights of linear_fc1 / linear_fc2, whose own forward never runs: their queues stay empty and the
+        # W's backward_dw() on them fails (TransformerEngine's WeightGradStore.pop, "Pop empty queue"); the fused
+        # ops' weight gradients come at I to parameters marked skip_backward_post_hook, whose hooks only
+        # backward_dw() fires. The same holds for MoE experts under the flag (TEGroupedMLP in
+        # megatron/core/transformer/moe/experts.py: `_with_fused_impl = config.use_transformer_engine_op_fuser`;
+        # its fused ops, kept out of the module tree, queue the GEMMs, and linear_fc1 / linear_fc2 never run).
+        raise ConfigError(
+            f"--use-transformer-engine-op-fuser with --pipeline-schedule {schedule}: the split backward builds "
+            "TransformerEngine layers with delay_wgrad_compute and runs their queued weight-gradient GEMMs at W, "
+            "but the op fuser's MLP (TEFusedMLP) never runs the forward of its linear_fc1 / linear_fc2, so their "
+            "queues stay empty and W fails in TransformerEngine (\"Pop empty queue\"); drop "
+            "--use-transformer-engine-op-fuser, or use a schedule without split backward: --pipeline-schedule "
+            "breadth-first, interleaved-1f1b (1f1b at V = 1) or default"
+        )
+
+
 def validate_args(args: argparse.Namespace) -> PluginConfig:
     """Validate Megatron-LM's parsed and validated `args` (after Megatron's own `validate_args`) with the plugin's
     flags; return the resolved configuration or raise one `ConfigError` naming the flags and the fix."""
@@ -385,6 +434,7 @@ def validate_args(args: argparse.Namespace) -> PluginConfig:
     )
     if runtime:
         _check_schedule(cfg, args)
+        _check_queued_weight_gradients(cfg, args)
         graph_flag = _per_layer_graphs(args)
         if graph_flag is not None:  # only TransformerEngine's are left: local and split schedules are refused above
             _check_transformer_engine_graph_order(cfg, args, graph_flag)
