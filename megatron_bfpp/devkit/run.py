@@ -74,17 +74,16 @@ def compare_losses(losses: list[float], ref: list[float]) -> tuple[bool, str]:
 
 
 def nccl_words(output: str) -> list[str]:
-    """NCCL's own messages in a run's output (deduplicated, in order)."""
+    """NCCL's own messages in a run's output (without torch's rank prefix, deduplicated, in order)."""
     seen: list[str] = []
-    lines = output.splitlines()
-    for i, line in enumerate(lines):
-        if NCCL_WORDS_RE.fullmatch(line.strip()) or line.strip() == "Last error:":
-            text = line.strip()
-            if text == "Last error:" and i + 1 < len(lines):
-                text = f"Last error: {lines[i + 1].strip()}"
-            text = re.sub(r"^\[?rank\d+\]?:?\s*", "", text)
-            if text not in seen:
-                seen.append(text)
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line.strip()) for line in output.splitlines()]
+    for i, text in enumerate(lines):
+        if text == "Last error:" and i + 1 < len(lines):
+            text = f"Last error: {lines[i + 1]}"
+        elif not NCCL_WORDS_RE.fullmatch(text):
+            continue
+        if text not in seen:
+            seen.append(text)
     return seen
 
 
@@ -132,7 +131,7 @@ class Driver:
             paths.append(str(self.root / "tests" / "cpu_shim"))
             env["BFPP_CPU_SHIM"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(paths)
-        env.update(CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONDONTWRITEBYTECODE="1", NCCL_DEBUG="WARN",
+        env.update(CUDA_DEVICE_MAX_CONNECTIONS="1", NCCL_DEBUG="WARN",
                    TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
         if self.device == "cpu":
             env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
@@ -180,7 +179,7 @@ class Driver:
     # -- install ------------------------------------------------------------------------------------------
 
     def probe(self, pythonpath: str) -> dict[str, Any]:
-        env = dict(os.environ, PYTHONPATH=pythonpath, PYTHONDONTWRITEBYTECODE="1")
+        env = dict(os.environ, PYTHONPATH=pythonpath)
         if self.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
         r = subprocess.run([self.python, str(self.root / "megatron_bfpp" / "devkit" / "probe.py"), "--device",
@@ -224,7 +223,7 @@ class Driver:
         files = [str(self.kit / "wheels" / w["file"]) for w in wanted]
         pip = subprocess.run([self.python, "-m", "pip", "--version"], capture_output=True, text=True)
         if pip.returncode == 0:
-            cmd = [self.python, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile",
+            cmd = [self.python, "-m", "pip", "install", "--no-index", "--no-deps",
                    "--disable-pip-version-check", "--target", str(self.site), *files]
             say("+ " + " ".join(cmd))
             r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PIP_NO_INDEX="1"),
