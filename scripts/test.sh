@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The test command: the whole suite, failing on "no tests ran" (pytest exit code 5); skip reasons are printed.
-# MEGATRON_LM_DIR (a Megatron-LM checkout for the patch, script runner and pretrain_gpt.py tests) defaults to
-# ../shared/megatron-lm/core_v0.19.0 next to the repository when that folder exists.
+# The test command: the whole suite, failing on "no tests ran" (pytest exit code 5); skip reasons and the 15
+# slowest tests are printed.
+#   scripts/test.sh          every tier (what .ci/run runs)
+#   scripts/test.sh --fast   the unit tier only: no process started (tests/conftest.py sets the tiers)
+# Further arguments go to pytest. MEGATRON_LM_DIR (a Megatron-LM checkout for the patch, script runner and
+# pretrain_gpt.py tests) defaults to ../shared/megatron-lm/core_v0.19.0 next to the repository when it exists.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT" || exit 1
@@ -9,8 +12,13 @@ if [ -z "${MEGATRON_LM_DIR:-}" ] && [ -f "$ROOT/../shared/megatron-lm/core_v0.19
   MEGATRON_LM_DIR="$(cd "$ROOT/../shared/megatron-lm/core_v0.19.0" && pwd)"
   export MEGATRON_LM_DIR
 fi
+SELECT=()
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  SELECT=(-m unit)
+fi
 echo "MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-<unset: the Megatron-LM checkout tests skip>}"
-python -m pytest -q -rs "$@" tests
+python -m pytest -q -rs --durations=15 "${SELECT[@]}" "$@" tests
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "error: no tests ran" >&2; exit 1; fi
 exit "$rc"

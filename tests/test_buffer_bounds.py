@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, out_dir: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports(run_distributed, tmp_path_factory):
     out = tmp_path_factory.mktemp("bounds")
     return run_distributed(_worker, P * D, str(out), timeout=300)[0]
 

@@ -110,7 +110,7 @@ MARGIN_S = 30  # process start-up/teardown on a loaded machine
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory) -> dict:
+def killed(subprocesses, tmp_path_factory) -> dict:
     """A's run under `bfpp train` saving at iteration 3; rank 2 SIGKILLed in its first forward of iteration 6."""
     ckpt = str(tmp_path_factory.mktemp("killed") / "run")
     argv = BASE + REFERENCE
@@ -122,7 +122,7 @@ def killed(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, killed) -> dict:
+def reference(run_distributed, tmp_path_factory, killed) -> dict:
     ckpt = str(tmp_path_factory.mktemp("ckpt") / "run")
     noisy = str(tmp_path_factory.mktemp("noisy") / "run")
     results = run_distributed(_reference_worker, 4, ckpt, killed["ckpt"], noisy, timeout=600)
@@ -270,7 +270,7 @@ def _launch_two_ranks(argv: list[str], env_extra: dict[str, str]) -> tuple[list[
 
 
 @pytest.fixture(scope="module")
-def interrupted(reference, tmp_path_factory) -> dict:
+def interrupted(subprocesses, reference, tmp_path_factory) -> dict:
     ckpt = reference["ckpt"]
     report = str(tmp_path_factory.mktemp("reports") / "e.json")
     killed = _launch_two_ranks(BASE + D1_P2_V1 + ["--load", ckpt, "--save", ckpt, "--save-interval", "1"],

@@ -98,7 +98,7 @@ def test_graphs_accepted_under_megatrons_own_schedule() -> None:
         assert not cfg.uses_runtime
 
 
-def test_check_tool_refuses_before_any_process_group() -> None:
+def test_check_tool_refuses_before_any_process_group(subprocesses) -> None:
     """`python -m megatron_bfpp.megatron.check` (no GPU, no process group): exit 2 and the one message."""
     flags = _flags("breadth-first", 2, 2, 8, *TE)
     r = subprocess.run([sys.executable, "-m", "megatron_bfpp.megatron.check", "--world-size", "2", "--", *flags],

@@ -287,7 +287,7 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_trainer_runs_create_tensors_on_derived_devices(tmp_path):
+def test_trainer_runs_create_tensors_on_derived_devices(run_distributed, tmp_path):
     results = run_distributed(_worker, 4, str(tmp_path), timeout=240)
     findings = sorted({f for r in results for f in r["findings"]})
     assert not findings, "tensors created without a device derived from the model or group:\n" + "\n".join(findings)

@@ -91,7 +91,7 @@ def _runtime_checks(rank: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def faults(tmp_path_factory) -> tuple[list[dict], dict]:
+def faults(run_distributed, tmp_path_factory) -> tuple[list[dict], dict]:
     report = str(tmp_path_factory.mktemp("fp16") / "report.json")
     results = run_distributed(_faults_worker, 2, report, timeout=400)
     with open(report) as f:

@@ -161,13 +161,13 @@ def _assert_params_close(value: torch.Tensor, expected: torch.Tensor, where: str
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(run_distributed):
     return run_distributed(_reference_worker, 1, [(12, t, 4) for t in (True, False)] +
                            [(8, t, m) for t in (True, False) for m in (8, 2)])[0]
 
 
 @pytest.mark.timeout(600)
-def test_gpt_schedules_equal_single_process_reference(reference):
+def test_gpt_schedules_equal_single_process_reference(run_distributed, reference):
     cases2 = [(*c, tied) for c in P2_CASES for tied in (True, False)]
     cases4 = [(*c, tied) for c in P4_CASES for tied in (True, False)]
     _compare(cases2, run_distributed(_pipeline_worker, 2, cases2, 12), reference, 12, 2)
@@ -176,7 +176,7 @@ def test_gpt_schedules_equal_single_process_reference(reference):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("granularity", ["full", "selective"])
-def test_activation_recomputation_through_the_runtime(reference, granularity):
+def test_activation_recomputation_through_the_runtime(run_distributed, reference, granularity):
     """Megatron's recomputation, configured on the chunks, runs inside our F/B actions with exact gradients."""
     cases = [("breadth-first", 2, 4, None, True), ("interleaved-1f1b", 3, 4, 2, False)]
     _compare(cases, run_distributed(_pipeline_worker, 2, cases, 12, granularity), reference, 12, 2)

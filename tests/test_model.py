@@ -442,7 +442,7 @@ def _groups_check() -> dict:
 
 
 @pytest.mark.timeout(240)
-def test_groups_on_four_gloo_processes():
+def test_groups_on_four_gloo_processes(run_distributed):  # its own forkserver job: the fixture sets the tier
     world, port = 4, _free_port()
     # forkserver with this module preloaded: Megatron is imported once, not by each of the 4 ranks
     ctx = mp.get_context("forkserver")

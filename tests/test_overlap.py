@@ -193,7 +193,7 @@ def asynchrony_problems(events: list[dict], collectives: list[dict]) -> list[str
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(run_distributed):
     return run_distributed(_worker, P * D, timeout=600)
 
 

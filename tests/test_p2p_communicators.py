@@ -87,7 +87,7 @@ def test_every_transfer_uses_one_communicator_on_both_ends(name):
     assert checked >= 7 * 3
 
 
-def test_a_lone_op_meeting_a_batch_is_seen():
+def test_a_lone_op_meeting_a_batch_is_seen(subprocesses):
     """The check above can fail: posting lone ops alone (the runtime before every post was coalesced) puts
     1F1B P = 4 M = 8's `SEND_F0:1` (alone on rank 0) and `RECV_F1:1` (batched on rank 1) on different
     communicators. The JSON comes from the `bfpp schedule` command itself."""
@@ -134,7 +134,7 @@ def _lone_meets_batch_worker(rank: int, world: int) -> tuple[str, str]:
 
 
 @pytest.mark.timeout(300)
-def test_strict_mode_matches_partners_by_communicator():
+def test_strict_mode_matches_partners_by_communicator(run_distributed):
     (now0, before0), (now1, before1) = run_distributed(_lone_meets_batch_worker, 2)
     assert now0 == now1 == "completed"
     # Under the former rule both wait on a communicator the other end never uses.
@@ -160,7 +160,7 @@ def _one_f_one_b_worker(rank: int, world: int, m: int) -> tuple:
 
 
 @pytest.mark.timeout(300)
-def test_1f1b_p4_runs_under_strict_mode():
+def test_1f1b_p4_runs_under_strict_mode(run_distributed):
     """1F1B P = 4 M = 8 (lone sends on rank 0 meet batches on rank 1) completes under strict mode on 4 gloo
     processes with the single-process reference's losses and gradients."""
     m = 8

@@ -8,236 +8,32 @@ patched with our series (`pretrain_gpt.py` gains the flags) and the original, ru
 
 Each run is `torchrun --nproc-per-node N tests/pretrain_runner.py [--launch] pretrain_gpt.py ...` with
 `PYTHONPATH=tests/cpu_shim BFPP_CPU_SHIM=1`; the runner records `training_log`'s arguments at full precision
-(Megatron prints the grad norm with three decimals) and the log lines are parsed too. Runs are cached per
-session so several cases share one stock reference.
+(Megatron prints the grad norm with three decimals) and the log lines are parsed too (tests/support/megatron_lm.py).
+Runs are cached per session (the `mlm` fixture) so every case and module shares one stock reference.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import re
-import shutil
-import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 import megatron_bfpp.megatron as bm
 from megatron_bfpp.megatron.check import parse_megatron_args
-from tests.paths import subprocess_pythonpath
-
-ROOT = Path(__file__).resolve().parents[1]
-SHIM = ROOT / "tests" / "cpu_shim"
-RUNNER = ROOT / "tests" / "pretrain_runner.py"
-MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
-RTOL = 1e-5
-
-needs_checkout = pytest.mark.skipif(
-    not MEGATRON_LM_DIR or not Path(MEGATRON_LM_DIR, "pretrain_gpt.py").is_file(),
-    reason="MEGATRON_LM_DIR is not set to a Megatron-LM checkout (core_v0.19.0 / core_v0.16.1): "
-           ".ci/run and scripts/test.sh set it to ../shared/megatron-lm/core_v0.19.0 when present",
+from tests.support.megatron_lm import (
+    CHECK,
+    P2V2,
+    RTOL,
+    TINY,
+    Run,
+    Runner,
+    _tail,
+    assert_same_training,
+    assert_same_validation,
+    needs_checkout,
+    stock_ref,
 )
-
-# A tiny GPT: 4 layers, P = 2 with V = 2 (one layer per virtual stage), mock data, no dropout, fp32, and the
-# local (non-TransformerEngine) layers with every fusion off so CPU runs the same math as stock.
-TINY = (
-    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-    "--vocab-size 128 --tokenizer-type NullTokenizer --mock-data --seed 1234 "
-    "--micro-batch-size 1 --global-batch-size 8 --train-iters 4 --lr 1e-3 --lr-decay-style constant "
-    "--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --log-params-norm "
-    "--eval-iters 1 --eval-interval 2 --distributed-backend gloo --num-workers 0 "
-    "--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
-    "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm"
-).split()
-P2V2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
-
-ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
-VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
-
-
-def _field(line: str, name: str) -> str | None:
-    m = re.search(re.escape(name) + r":\s*([^|]+)\|", line)
-    return m.group(1).strip() if m else None
-
-
-@dataclass
-class Run:
-    """One pretrain_gpt.py run: the output, its parsed log lines and the full-precision records."""
-
-    name: str
-    output: str
-    seconds: float
-    returncode: int = 0
-    records: list[dict] = field(default_factory=list)
-    log: dict[int, dict] = field(default_factory=dict)  # iteration -> parsed Megatron log line
-    validation: dict[int, float] = field(default_factory=dict)
-
-    def iterations(self) -> list[int]:
-        return sorted(self.log)
-
-    def by_iteration(self) -> dict[int, dict]:
-        return {r["iteration"]: r for r in self.records}
-
-
-def _parse(run: Run) -> None:
-    for line in run.output.splitlines():
-        m = ITERATION.search(line)
-        if m and ("lm loss" in line or "number of skipped iterations" in line):
-            loss = _field(line, "lm loss")
-            run.log[int(m.group(1))] = {
-                "lm loss": float(loss) if loss else None,
-                "grad norm": float(_field(line, "grad norm")) if _field(line, "grad norm") else None,
-                "params norm": float(_field(line, "params norm")) if _field(line, "params norm") else None,
-                "num zeros": _field(line, "num zeros"),
-                "skipped": int(_field(line, "number of skipped iterations") or 0),
-                "loss scale": float(_field(line, "loss scale") or "nan"),
-            }
-        m = VALIDATION.search(line)
-        if m:
-            run.validation[int(m.group(1))] = float(m.group(2))
-
-
-class Runner:
-    """Starts (and caches) pretrain_gpt.py runs on a checkout: stock, patched, or through the script runner."""
-
-    def __init__(self, original: Path, patched: Path, workdir: Path) -> None:
-        self.original, self.patched, self.workdir = original, patched, workdir
-        self.cache: dict[tuple, Run] = {}
-        self.count = 0
-
-    def run(self, mode: str, args: list[str], nproc: int = 2, expect_ok: bool = True, timeout: int = 240,
-            extra_env: dict[str, str] | None = None) -> Run:
-        """mode: 'stock' (original script, unmodified), 'patched' (our patch series) or 'launch' (original
-        script through python -m megatron_bfpp.run_megatron_script). `extra_env`: extra variables for the runner
-        (e.g. its test-only fault injection, BFPP_PRETRAIN_NAN_GRAD)."""
-        key = (mode, tuple(args), nproc, expect_ok, tuple(sorted((extra_env or {}).items())))
-        if key in self.cache:
-            return self.cache[key]
-        self.count += 1
-        name = f"run{self.count:02d}-{mode}"
-        record = self.workdir / f"{name}.jsonl"
-        script = (self.patched if mode == "patched" else self.original) / "pretrain_gpt.py"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(_free_port()), str(RUNNER)]
-        cmd += (["--launch"] if mode == "launch" else []) + [str(script), *args]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("BFPP_", "MASTER_", "TORCHELASTIC"))}
-        env.update(PYTHONPATH=subprocess_pythonpath(str(SHIM)), BFPP_CPU_SHIM="1", BFPP_PRETRAIN_RECORD=str(record),
-                   CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                   PYTHONDONTWRITEBYTECODE="1", **(extra_env or {}))
-        start = time.monotonic()
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=self.workdir, timeout=timeout)
-        run = Run(name, r.stdout + r.stderr, time.monotonic() - start, r.returncode)
-        (self.workdir / f"{name}.log").write_text(" ".join(cmd) + "\n\n" + run.output)
-        if expect_ok:
-            assert r.returncode == 0, f"{name} failed (exit {r.returncode}): {' '.join(args)}\n{_tail(run.output)}"
-        if record.exists():
-            run.records = [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
-        _parse(run)
-        self.cache[key] = run
-        return run
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _tail(text: str, n: int = 60) -> str:
-    lines = [ln for ln in text.splitlines() if "Warning" not in ln and "warnings.warn" not in ln]
-    return "\n".join(lines[-n:])
-
-
-def _apply_patches(checkout: Path) -> None:
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "apply_megatron_patches.sh"), str(checkout)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-
-
-def _missing_module(checkout: Path) -> str | None:
-    """The first third-party Python package the checkout imports that this environment lacks, or None. Any
-    other import failure (a module of the checkout or the plugin missing, a TypeError, ...) fails the test:
-    only a missing optional package may turn into a skip."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import runpy\n"
-            "import megatron.training.training, megatron.training.arguments")
-    env = dict(os.environ, PYTHONPATH=subprocess_pythonpath(str(SHIM)), BFPP_CPU_SHIM="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-c", code, str(checkout)], capture_output=True, text=True, env=env,
-                       timeout=180)
-    m = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", r.stderr)
-    if m and m.group(1).split(".")[0] not in ("megatron", "megatron_bfpp"):
-        return m.group(1)
-    assert r.returncode == 0, f"Megatron-LM at {checkout} does not import:\n{_tail(r.stderr, 5)}"
-    return None
-
-
-@pytest.fixture(scope="module")
-def mlm(tmp_path_factory: pytest.TempPathFactory) -> Runner:
-    original = Path(MEGATRON_LM_DIR).resolve()  # type: ignore[arg-type]
-    missing = _missing_module(original)
-    if missing:
-        pytest.skip(f"Megatron-LM at {original} cannot be imported here: it needs {missing!r}")
-    work = tmp_path_factory.mktemp("pretrain_gpt")
-    patched = work / "Megatron-LM"
-    shutil.copytree(original, patched, ignore=shutil.ignore_patterns("*.pyc", "__pycache__"))
-    _apply_patches(patched)
-    runner = Runner(original, patched, work)
-    yield runner
-    print(f"\n[pretrain_gpt] {runner.count} runs, logs in {work}")
-
-
-# ------------------------------------------------------------------------------------------------ comparisons
-
-def _close(a: float | None, b: float | None, rtol: float = RTOL) -> bool:
-    if a is None or b is None:
-        return a is b
-    return math.isclose(a, b, rel_tol=rtol, abs_tol=0.0)
-
-
-def assert_same_training(run: Run, ref: Run, iterations: list[int] | None = None, rtol: float = RTOL,
-                         params_norm: bool = True, logged: list[int] | None = None) -> None:
-    """Same losses, grad norms, params norms and skipped iterations, per iteration, as the reference; and the
-    same Megatron log lines (for the `logged` iterations, default all compared)."""
-    got, want = run.by_iteration(), ref.by_iteration()
-    its = iterations or sorted(want)
-    assert its and set(its) <= set(got), f"{run.name}: iterations {sorted(got)}, expected {its}"
-    assert set(its) <= set(run.log), f"{run.name}: Megatron logged iterations {run.iterations()}, expected {its}"
-    for it in its:
-        g, w = got[it], want[it]
-        what = f"{run.name} vs {ref.name}, iteration {it}"
-        assert g["skipped"] == w["skipped"], f"{what}: skipped {g['skipped']} != {w['skipped']}"
-        assert set(g["losses"]) == set(w["losses"]), what
-        for key in w["losses"]:
-            assert _close(g["losses"][key], w["losses"][key], rtol), f"{what}: {key} {g['losses'][key]} != {w['losses'][key]}"
-        assert _close(g["grad_norm"], w["grad_norm"], rtol), f"{what}: grad norm {g['grad_norm']} != {w['grad_norm']}"
-        if params_norm:
-            assert _close(g["params_norm"], w["params_norm"], rtol), f"{what}: params norm {g['params_norm']} != {w['params_norm']}"
-        # Megatron's own line says the same (to its printed precision).
-        if logged is not None and it not in logged:
-            continue
-        assert run.log[it]["skipped"] == ref.log[it]["skipped"]
-        if ref.log[it]["lm loss"] is not None:
-            assert _close(run.log[it]["lm loss"], ref.log[it]["lm loss"], 1e-5), f"{what}: logged lm loss"
-
-
-def assert_same_validation(run: Run, ref: Run, rtol: float = RTOL) -> None:
-    assert ref.validation, f"{ref.name}: no validation loss lines"
-    assert sorted(run.validation) == sorted(ref.validation), f"{run.name}: validation at {sorted(run.validation)}"
-    for it, loss in ref.validation.items():
-        assert _close(run.validation[it], loss, rtol), f"{run.name}: validation loss at {it}: {run.validation[it]} != {loss}"
-
-
-def stock_ref(mlm: Runner) -> Run:
-    ref = mlm.run("stock", TINY + P2V2)
-    assert ref.iterations() == [1, 2, 3, 4], _tail(ref.output)
-    return ref
-
 
 # ------------------------------------------------------------------------------------------------ the matrix
 
@@ -474,34 +270,6 @@ def test_fp16_overflow_skips_match_stock(mlm: Runner) -> None:
 
 # ------------------------------------------------------------------------- Megatron-LM core_v0.16.1 (smaller)
 
-def _checkout_016() -> Path | None:
-    """core_v0.16.1: $MEGATRON_LM_DIR_016, else beside MEGATRON_LM_DIR (../shared/megatron-lm/core_v0.16.1)."""
-    explicit = os.environ.get("MEGATRON_LM_DIR_016")
-    candidates = [Path(explicit)] if explicit else []
-    if MEGATRON_LM_DIR:
-        candidates.append(Path(MEGATRON_LM_DIR).resolve().parent / "core_v0.16.1")
-    return next((c for c in candidates if (c / "pretrain_gpt.py").is_file()), None)
-
-
-@pytest.fixture(scope="module")
-def mlm016(tmp_path_factory: pytest.TempPathFactory) -> Runner:
-    original = _checkout_016()
-    if original is None:
-        pytest.skip("no Megatron-LM core_v0.16.1 checkout: set MEGATRON_LM_DIR_016 (or keep core_v0.16.1 beside "
-                    "MEGATRON_LM_DIR)")
-    missing = _missing_module(original)
-    if missing:
-        pytest.skip(f"Megatron-LM core_v0.16.1 cannot be imported here: it needs {missing!r} "
-                    "(requirements.txt installs six, regex, pyyaml and pydantic for it)")
-    work = tmp_path_factory.mktemp("pretrain_gpt_016")
-    patched = work / "Megatron-LM"
-    shutil.copytree(original, patched, ignore=shutil.ignore_patterns("*.pyc", "__pycache__"))
-    _apply_patches(patched)
-    return Runner(original, patched, work)
-
-
-# A plugin run that stops on a Megatron-Core call whose signature changed between 0.16 and 0.19 (named in the
-# failure).
 SIGNATURE = re.compile(r"TypeError: ([\w.]+\(\) (?:missing \d+ required positional argument|got an unexpected "
                        r"keyword argument|takes \d+ positional arguments? but)[^\n]*)")
 
@@ -561,10 +329,6 @@ REFUSED = [
     ("qk-clip-zero1", ["--zero-stage", "1", "--qk-clip"], "--qk-clip"),
     ("sgd-zero2", ["--zero-stage", "2", "--optimizer", "sgd"], "--optimizer sgd"),
 ]
-CHECK = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "8",
-         "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--train-iters", "4", "--lr", "1e-3",
-         "--mock-data", *P2V2, "--pipeline-schedule", "breadth-first"]
 
 
 @pytest.mark.parametrize("flags, needle", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])

@@ -1,6 +1,6 @@
 """Checkpoints move between stock Megatron-LM and the plugin's --zero-stage with their optimizer state.
 
-Through Megatron-LM's own `pretrain_gpt.py` on CPU (tests/test_pretrain_gpt.py's Runner), `--ckpt-format
+Through Megatron-LM's own `pretrain_gpt.py` on CPU (tests/support/megatron_lm.py's Runner), `--ckpt-format
 torch_dist`, P = 2, V = 2, 6 iterations. A stock run saving every 2 iterations is also the uninterrupted reference; the
 plugin resumes from its iteration-2 checkpoint (and saves at 4, and stock resumes from that). Every resumed
 iteration equals the uninterrupted run (lm loss, grad norm, params norm; rtol 1e-5): the first resumed
@@ -20,14 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_pretrain_gpt import (  # noqa: F401  (mlm: the module-scoped Runner fixture)
+from tests.support.megatron_lm import (
     P2V2,
     TINY,
     Run,
     Runner,
     _tail,
     assert_same_training,
-    mlm,
     needs_checkout,
 )
 

@@ -1,5 +1,5 @@
 """MoE with expert parallelism under `--zero-stage`, through Megatron-LM's own `pretrain_gpt.py` on CPU (the shim
-and runner of tests/test_pretrain_gpt.py), against stock Megatron with its distributed optimizer on the same
+and runner of tests/support/megatron_lm.py), against stock Megatron with its distributed optimizer on the same
 flags: lm loss, grad norm and params norm per iteration, fp32, rtol 1e-5.
 
 Expert-parallel parameters differ between expert-parallel ranks: they shard over the expert-data-parallel group
@@ -22,13 +22,12 @@ import pytest
 import megatron_bfpp.megatron as bm
 from megatron_bfpp.megatron.check import main as check_main
 from megatron_bfpp.megatron.check import parse_megatron_args
-from tests.test_pretrain_gpt import (  # noqa: F401
+from tests.support.megatron_lm import (
     P2V2,
     TINY,
     Runner,
     _tail,
     assert_same_training,
-    mlm,
     needs_checkout,
 )
 

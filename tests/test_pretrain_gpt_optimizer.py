@@ -1,5 +1,5 @@
 """Megatron's optimizer promises under `--zero-stage`, through Megatron-LM's own `pretrain_gpt.py` on CPU (the
-shim and runner of tests/test_pretrain_gpt.py), against stock Megatron on the same flags:
+shim and runner of tests/support/megatron_lm.py), against stock Megatron on the same flags:
 
 - a NaN gradient is caught before the update (`--check-for-nan-in-loss-and-grad`, Megatron's default), through
   Megatron's rerun state machine, with the same messages, exit code and saved checkpoint as stock;
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_pretrain_gpt import P2V2, RTOL, TINY, Run, Runner, _tail, mlm, needs_checkout  # noqa: F401
+from tests.support.megatron_lm import P2V2, RTOL, TINY, Run, Runner, _tail, needs_checkout
 
 # ------------------------------------------------------------------------------------- NaN gradient at step 2
 
@@ -123,7 +123,7 @@ def test_bf16_params_norm_matches_stock(mlm: Runner, schedule: str, zero: str, n
 
 def _interleaved_with_rampup():
     from megatron_bfpp.megatron.check import parse_megatron_args
-    from tests.test_pretrain_gpt import CHECK
+    from tests.support.megatron_lm import CHECK
 
     flags = ["interleaved-1f1b" if f == "breadth-first" else f for f in CHECK]
     return parse_megatron_args(flags + ["--rampup-batch-size", "1", "1", "100"], 2)  # ramps through M = 1 < P

@@ -81,17 +81,17 @@ def _check(cases, results_per_rank, pp):
 
 
 @pytest.mark.timeout(300)
-def test_all_schedules_match_reference_p2():
+def test_all_schedules_match_reference_p2(run_distributed):
     _check(CASES, run_distributed(_pipeline_worker, 2, CASES), 2)
 
 
 @pytest.mark.timeout(300)
-def test_all_schedules_match_reference_p4():
+def test_all_schedules_match_reference_p4(run_distributed):
     _check(CASES_P4, run_distributed(_pipeline_worker, 4, CASES_P4), 4)
 
 
 @pytest.mark.timeout(300)
-def test_single_rank_several_chunks():
+def test_single_rank_several_chunks(run_distributed):
     _check(CASES_P1, run_distributed(_pipeline_worker, 1, CASES_P1), 1)
 
 
@@ -120,7 +120,7 @@ def _self_accumulating_worker(rank: int, world: int, cases) -> list:
 
 
 @pytest.mark.timeout(300)
-def test_split_backward_runs_self_accumulating_layers_once():
+def test_split_backward_runs_self_accumulating_layers_once(run_distributed):
     """Megatron-Core chunks whose layers add their weight gradient into main_grad in their own backward
     (TransformerEngine's, fused gradient accumulation) run it whole at I, once: a split on the autograd graph
     would run that backward again at W and double the weight gradient."""
@@ -204,7 +204,7 @@ def _check_sharded_toy(cases, per_rank, pp: int) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_split_backward_with_fused_gradient_accumulation():
+def test_split_backward_with_fused_gradient_accumulation(run_distributed):
     """Layers that write main_grad in the I's backward (gradient-accumulation fusion) need the stage's gradient
     buffer there: ZeRO-1's is resident all step, ZeRO-2/3 take it at the stage's first I (the schedule is
     lowered with i_writes_grads), also when it is reduced and taken again between an I and its W. Exact."""
@@ -212,7 +212,7 @@ def test_split_backward_with_fused_gradient_accumulation():
 
 
 @pytest.mark.timeout(300)
-def test_transformer_engine_delayed_wgrads_run_at_w():
+def test_transformer_engine_delayed_wgrads_run_at_w(run_distributed):
     """Layers that queue their weight-gradient GEMMs as TransformerEngine's do with delay_wgrad_compute: W runs
     each I's (backward_dw), B runs its own right after its backward, the layer's hooks hand the gradients to the
     sharded wrapper (ZeRO-1/2/3; fused into main_grad under ZeRO-1), and the gradients equal the reference."""
@@ -238,7 +238,7 @@ def _unsafe_order_worker(rank: int, world: int) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_strict_p2p_catches_an_nccl_unsafe_order():
+def test_strict_p2p_catches_an_nccl_unsafe_order(run_distributed):
     """The strict mode the runtime tests run under would fail on an order that deadlocks under NCCL."""
     out = run_distributed(_unsafe_order_worker, 2)
     assert all("deadlocks under NCCL" in o for o in out), out
@@ -320,5 +320,5 @@ def _handshake_worker(rank: int, world: int) -> int:
 
 
 @pytest.mark.timeout(120)
-def test_schedule_handshake_runs_once_per_distinct_schedule():
+def test_schedule_handshake_runs_once_per_distinct_schedule(run_distributed):
     assert run_distributed(_handshake_worker, 2) == [2, 2]

@@ -219,7 +219,7 @@ def test_property_every_built_and_lowered_schedule_validates(pp, vp, m, gfrac, n
             assert lowered.count(r, Op.GATHER) == lowered.count(r, Op.RELEASE)
 
 
-def test_cli_json_contract_and_errors():
+def test_cli_json_contract_and_errors(subprocesses):
     out = subprocess.run([sys.executable, "-m", "megatron_bfpp.cli", "schedule", "--schedule", "breadth-first",
                           "--pp", "2", "--vp", "2", "--microbatches", "4", "--zero-stage", "3", "--format", "json"],
                          capture_output=True, text=True, check=True).stdout

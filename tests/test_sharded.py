@@ -438,7 +438,7 @@ def _cases_d4(ckpt_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
+def jobs(run_distributed, tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("ckpt"))
     res = run_distributed(_worker, 4, _cases_d2(ckpt), _cases_d4(ckpt), timeout=400)
     d2: list[dict] = [{}, {}]  # by rank within the pair that ran the case

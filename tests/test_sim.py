@@ -376,7 +376,7 @@ SIM = ["simulate", "--model", "gpt-52b", "--hardware", "dgx-a100", "--gpus", "25
        "--num-layers-per-virtual-pipeline-stage", "8", "--pipeline-schedule", "breadth-first", "--zero-stage", "3"]
 
 
-def test_cli_simulate_json():
+def test_cli_simulate_json(subprocesses):
     out = _bfpp(*SIM, "--recompute", "--json")
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
@@ -393,7 +393,7 @@ def test_cli_simulate_json():
     assert off["step_time_s"] > on["step_time_s"] * 1.05
 
 
-def test_cli_plan_json():
+def test_cli_plan_json(subprocesses):
     out = _bfpp("plan", "--model", "gpt-1.3b", "--hardware", "h200", "--gpus", "16", "--global-batch-size", "32",
                 "--pipeline-schedule", "breadth-first", "--zero-stage", "3", "--top", "3", "--json")
     assert out.returncode == 0, out.stderr
@@ -408,7 +408,7 @@ def test_cli_plan_json():
     assert [c["tflops_per_gpu"] for c in cands] == sorted((c["tflops_per_gpu"] for c in cands), reverse=True)
 
 
-def test_cli_group_size_and_trace(tmp_path):
+def test_cli_group_size_and_trace(subprocesses, tmp_path):
     trace = tmp_path / "sim.json"
     out = _bfpp(*SIM, "--microbatch-group-size-per-virtual-pipeline-stage", "4", "--json", "--trace", str(trace))
     assert out.returncode == 0, out.stderr
@@ -446,7 +446,7 @@ def test_prediction_for_trainer_runs():
     (["--tensor-model-parallel-size", "16"], "--tensor-model-parallel-size"),
     (["--hardware", "tpu-v4"], "--hardware"),
 ])
-def test_cli_errors_name_the_flag(args, flag):
+def test_cli_errors_name_the_flag(subprocesses, args, flag):
     argv = list(SIM)
     for k, v in zip(args[::2], args[1::2]):
         if k in argv:

@@ -278,7 +278,7 @@ def _bfpp(*args):
                           timeout=120)
 
 
-def test_cli_simulate_and_plan_accept_the_new_schedules():
+def test_cli_simulate_and_plan_accept_the_new_schedules(subprocesses):
     base = ["--model", "gpt-52b", "--hardware", "dgx-a100", "--gpus", "512", "--global-batch-size", "32"]
     out = _bfpp("simulate", *base, "--micro-batch-size", "1", "--tensor-model-parallel-size", "8",
                 "--pipeline-model-parallel-size", "8", "--num-layers-per-virtual-pipeline-stage", "1",

@@ -181,7 +181,7 @@ def _worker(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
+def results(run_distributed) -> list[dict]:
     return run_distributed(_worker, WORLD, timeout=240)
 
 

@@ -38,7 +38,7 @@ def _worker(rank: int, world: int) -> list:
 
 
 @pytest.fixture(scope="module")
-def reports():
+def reports(run_distributed):
     return run_distributed(_worker, P * D, timeout=600)[0]
 
 

@@ -123,7 +123,7 @@ def _assert_params_close(value: torch.Tensor, expected: torch.Tensor, name: str,
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(run_distributed, tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
     ref = run_distributed(_reference_worker, 1)[0]
     assert any(n > CLIP for n in ref["grad_norms"]), f"clipping never engages: norms {ref['grad_norms']}"

@@ -30,7 +30,7 @@ def _bfpp_train(*argv: str, nproc: int = 2) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(900)
-def test_default_schedule_at_p1_runs_gpipe_and_says_so_once():
+def test_default_schedule_at_p1_runs_gpipe_and_says_so_once(subprocesses):
     p = _bfpp_train(*MODEL)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
@@ -39,7 +39,7 @@ def test_default_schedule_at_p1_runs_gpipe_and_says_so_once():
 
 
 @pytest.mark.timeout(300)
-def test_bad_flag_is_one_line_before_any_worker_starts():
+def test_bad_flag_is_one_line_before_any_worker_starts(subprocesses):
     p = _bfpp_train(*MODEL, "--hidden-size", "15")
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert p.returncode == 2, p.stderr[-4000:]
@@ -62,7 +62,7 @@ def small_vocab_data(tmp_path_factory) -> str:
 
 
 @pytest.mark.timeout(900)
-def test_configuration_error_in_the_workers_is_printed_once(small_vocab_data):
+def test_configuration_error_in_the_workers_is_printed_once(subprocesses, small_vocab_data):
     # The flags pass the launcher's check; both workers find ids >= --vocab-size when they read the data.
     p = _bfpp_train(*MODEL, "--data-path", small_vocab_data, "--vocab-size", "64",
                     "--make-vocab-size-divisible-by", "1", "--pipeline-schedule", "gpipe")
@@ -89,7 +89,7 @@ except RuntimeError as e:
 """
 
 
-def test_report_prints_config_errors_once_and_keeps_tracebacks_for_the_rest(tmp_path):
+def test_report_prints_config_errors_once_and_keeps_tracebacks_for_the_rest(subprocesses, tmp_path):
     """Three ranks of one launch (same master address and port, same parent) report the same configuration
     error: one prints it; an unexpected error prints its traceback on each rank."""
     from tests.distributed import free_port

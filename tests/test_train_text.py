@@ -31,7 +31,7 @@ def _worker(rank: int, world: int, prefix: str) -> list[float]:
 
 
 @pytest.mark.timeout(600)
-def test_loss_falls_on_real_text(tmp_path):
+def test_loss_falls_on_real_text(run_distributed, subprocesses, tmp_path):
     prefix = str(tmp_path / "corpus")
     subprocess.run([sys.executable, str(SCRIPT), str(CORPUS), prefix], check=True, capture_output=True)
     losses = run_distributed(_worker, 2, prefix)[0]

@@ -99,7 +99,7 @@ def _worker(rank: int, world: int, runs) -> list:
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(run_distributed):
     ref = run_distributed(_reference_worker, 1)[0]
     return ref, run_distributed(_worker, 4, RUNS, timeout=900)
 
@@ -140,7 +140,7 @@ def test_split_backward_does_the_fused_backward_work_once():
         parallel.destroy_parallel()
 
 
-def test_split_backward_defers_tensor_parallel_linears():
+def test_split_backward_defers_tensor_parallel_linears(run_distributed):
     """At T = 2 (2 processes) every linear of the chunk defers, column-parallel ones included (their input
     gradient is summed over the tensor-parallel group at I, as Megatron's linear does), with the fused
     backward's gradients and FLOPs."""
@@ -482,7 +482,7 @@ def _sequence_parallel_worker(rank: int, world: int) -> bool:
     return True
 
 
-def test_split_backward_defers_sequence_parallel_linears():
+def test_split_backward_defers_sequence_parallel_linears(run_distributed):
     """With sequence parallelism (T = 2) a column-parallel linear defers too: I gathers the sequence for its W and
     reduce-scatters the input gradient; output, input gradient and weight gradients equal Megatron's."""
     assert run_distributed(_sequence_parallel_worker, 2) == [True, True]
@@ -627,7 +627,7 @@ def _te_stand_in_worker(rank: int, world: int, cases) -> list:
 
 
 @pytest.fixture(scope="module")
-def te_stand_in_runs():
+def te_stand_in_runs(run_distributed):
     return run_distributed(_te_stand_in_worker, 2, CONSECUTIVE_W, timeout=600)
 
 
