@@ -34,11 +34,15 @@ NCCL_CONFIG_FIELDS = ("cga_cluster_size", "max_ctas", "min_ctas", "cta_policy", 
                       "max_p2p_peers", "traffic_class", "net_name")
 
 
-def fresh_nccl_options(live: object, options_type: type | None = None) -> object:
+def fresh_nccl_options(live: object, options_type: type | None = None,
+                       timeout: datetime.timedelta | None = None) -> object:
     """New NCCL options carrying the stream priority and the communicator settings of `live`, the options of an
-    existing group. A group's own options object cannot be reused: torch's `new_group`
-    (distributed_c10d.py `_create_nccl_process_group`) writes the new group's `_timeout`, `group_name`,
-    `global_ranks_in_group` and `split_from` into the object it is given."""
+    existing group, and `timeout` (when given) as their `_timeout`. A group's own options object cannot be reused:
+    torch's `new_group` (distributed_c10d.py `_create_nccl_process_group`) writes the new group's `_timeout`,
+    `group_name`, `global_ranks_in_group` and `split_from` into the object it is given. It also warns ("
+    backend_options._timeout was specified, but timeout kwarg has a default value that will always override it")
+    whenever the options' `_timeout` differs from the timeout `new_group` resolved (its `timeout` argument, or
+    torch's NCCL default without one): give the options the timeout the group is created with."""
     if options_type is None:
         options_type = dist.ProcessGroupNCCL.Options
     fresh = options_type(is_high_priority_stream=live.is_high_priority_stream)
@@ -46,19 +50,21 @@ def fresh_nccl_options(live: object, options_type: type | None = None) -> object
         value = getattr(live.config, field, None)
         if value is not None and hasattr(fresh.config, field):  # None: unset name; absent: older torch
             setattr(fresh.config, field, value)
+    if timeout is not None:
+        fresh._timeout = timeout
     return fresh
 
 
-def _pipeline_pg_options(pp_group: dist.ProcessGroup) -> object | None:
-    """Fresh NCCL options with the pipeline group's settings (Megatron's --nccl-communicator-config-path), so the
-    channel groups get the same; None on other backends or when torch does not expose them."""
+def _pipeline_pg_options(pp_group: dist.ProcessGroup, timeout: datetime.timedelta | None) -> object | None:
+    """Fresh NCCL options with the pipeline group's settings (Megatron's --nccl-communicator-config-path) and
+    `timeout`, so the channel groups get the same; None on other backends or when torch does not expose them."""
     if dist.get_backend(pp_group) != "nccl":
         return None
     try:
         live = pp_group._get_backend(torch.device("cuda")).options
     except Exception:  # private API: fall back to defaults rather than fail
         return None
-    return fresh_nccl_options(live)
+    return fresh_nccl_options(live, timeout=timeout)
 
 
 def default_timeout_s() -> float | None:
@@ -78,7 +84,8 @@ def channel_groups(pp_group: dist.ProcessGroup, timeout_s: float | None = None,
 
     `new_group` is collective over the whole world, so all pipeline groups' rank lists are exchanged first and
     every rank creates every pair in the same order. The groups take the given timeout (default:
-    --distributed-timeout-minutes) and the pipeline group's NCCL options. One all-reduce on each new group
+    --distributed-timeout-minutes) and the pipeline group's NCCL options (a fresh copy per group, with that
+    timeout). One all-reduce on each new group
     initialises its communicator on all ranks (a collective and a coalesced p2p use the same one, keyed by device):
     torch requires every rank of a group to take part in its first batched p2p call (`batch_isend_irecv`'s
     docstring), which a schedule's batch between two of P ranks would not, and every post is one (`coalesced`).
@@ -88,16 +95,23 @@ def channel_groups(pp_group: dist.ProcessGroup, timeout_s: float | None = None,
         return _CHANNEL_CACHE[mine]
     all_lists: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_lists, mine)
-    kwargs: dict = {}
     timeout_s = default_timeout_s() if timeout_s is None else timeout_s
-    if timeout_s is not None:
-        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-    options = _pipeline_pg_options(pp_group)
-    if options is not None:
-        kwargs["pg_options"] = options
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+
+    def group_kwargs() -> dict:
+        """new_group's options for one group: its own fresh NCCL options object (torch writes the group's name
+        and ranks into it), whose timeout agrees with the group's (torch warns on every rank for each group
+        otherwise): the given one in both, or else the options' default (torch's NCCL default) passed on."""
+        kwargs: dict = {} if timeout is None else {"timeout": timeout}
+        options = _pipeline_pg_options(pp_group, timeout)
+        if options is not None:
+            kwargs["pg_options"] = options
+            kwargs.setdefault("timeout", options._timeout)
+        return kwargs
+
     backend = dist.get_backend(pp_group)
     for ranks in sorted(set(all_lists)):
-        pair = {name: dist.new_group(list(ranks), backend=backend, **kwargs) for name in CHANNELS}
+        pair = {name: dist.new_group(list(ranks), backend=backend, **group_kwargs()) for name in CHANNELS}
         if ranks == mine:
             _CHANNEL_CACHE[mine] = pair
     dev = device
