@@ -15,7 +15,9 @@
 #   --dry-run   print the legs with their estimated seconds and the total against the budget
 #   --device    cpu: the same legs on CPU/gloo with tiny models (a rehearsal of everything but the GPU)
 #   --rehearse PYTHON  --prepare (with this shell's python), then the CPU run under PYTHON (an environment that has
-#               torch) with no package index reachable; exit non-zero unless every leg passes
+#               torch) with no package index reachable; exit non-zero unless every leg passes (the
+#               TransformerEngine legs, not run without it, excepted); report in runs/device_rehearsal; budget
+#               REHEARSE_BUDGET (default 900 s: about 4-6 minutes on 2 cores, more on a loaded machine)
 # environment: PYTHON (the python with torch; default python3), MEGATRON_LM_DIR (for --prepare; default
 #   ../shared/megatron-lm/core_v0.19.0)
 set -euo pipefail
@@ -37,6 +39,7 @@ case "${1:-}" in
     # No registry: pip may use nothing but the kit, and any network attempt fails at once.
     exec env PIP_NO_INDEX=1 PIP_FIND_LINKS="" PIP_CONFIG_FILE=/dev/null http_proxy=http://127.0.0.1:9 \
       https_proxy=http://127.0.0.1:9 HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 PYTHONNOUSERSITE=1 \
-      "$TARGET" -m megatron_bfpp.devkit.run --device cpu --python "$TARGET" --out "$ROOT/runs/device_rehearsal" "$@" ;;
+      "$TARGET" -m megatron_bfpp.devkit.run --device cpu --python "$TARGET" --out "$ROOT/runs/device_rehearsal" \
+      --budget "${REHEARSE_BUDGET:-900}" "$@" ;;
   *) exec "$PYTHON" -m megatron_bfpp.devkit.run --python "$PYTHON" "$@" ;;
 esac

@@ -105,14 +105,14 @@ def plan_legs(device: str) -> list[Leg]:
         raise ValueError(f"device must be one of {DEVICES} (got {device!r})")
     shape = SHAPES[device]
     legs = [Leg("install", "install", "setup", "the kit installs offline next to the machine's torch (never touching "
-                "it) and Megatron-LM's source unpacks", {"cuda": 25, "cpu": 25})]
+                "it) and Megatron-LM's source unpacks", {"cuda": 25, "cpu": 30})]
     legs.append(Leg("bfpp-P1-reference", "bfpp", "setup", "bfpp train on one rank (1f1b, ZeRO-1): the trainer's "
-                    "reference losses", {"cuda": 20, "cpu": 25},
+                    "reference losses", {"cuda": 20, "cpu": 15},
                     flags=(*_vp_flags(shape, 1, 1), "--pipeline-schedule", "1f1b", "--zero-stage", "1")))
     multi = (("breadth-first", "3", "breadth-first ZeRO-3"),
              ("interleaved-zb", "3", "interleaved-zb ZeRO-3 (consecutive W's on a chunk)"),
              ("breadth-first-zb", "2", "breadth-first-zb ZeRO-2 (consecutive W's on a chunk)"))
-    for pp, est in ((4, {"cuda": 32, "cpu": 40}), (2, {"cuda": 24, "cpu": 25})):
+    for pp, est in ((4, {"cuda": 32, "cpu": 30}), (2, {"cuda": 24, "cpu": 20})):
         for schedule, zero, what in multi:
             legs.append(Leg(f"bfpp-P{pp}-{schedule}-zero{zero}", "bfpp", f"bfpp-P{pp}",
                             f"bfpp train, {pp} ranks sharing the device (V=2, M={shape.global_batch}), {what}: NCCL "
@@ -122,14 +122,14 @@ def plan_legs(device: str) -> list[Leg]:
     p2 = _vp_flags(shape, 2, 2)
     legs += [
         Leg("megatron-P2-default", "megatron", "megatron-P2", "Megatron-LM pretrain_gpt.py, 2 ranks sharing the "
-            "device, stock interleaved 1F1B (--pipeline-schedule default): the reference", {"cuda": 35, "cpu": 35},
+            "device, stock interleaved 1F1B (--pipeline-schedule default): the reference", {"cuda": 35, "cpu": 25},
             ranks=2, flags=(*p2, "--pipeline-schedule", "default")),
         Leg("megatron-P2-breadth-first-zero3", "megatron", "megatron-P2", "Megatron-LM pretrain_gpt.py through the "
-            "script runner, 2 ranks sharing the device, breadth-first ZeRO-3", {"cuda": 35, "cpu": 35}, ranks=2,
+            "script runner, 2 ranks sharing the device, breadth-first ZeRO-3", {"cuda": 35, "cpu": 25}, ranks=2,
             flags=(*p2, "--pipeline-schedule", "breadth-first", "--zero-stage", "3"), reference="megatron-P2-default"),
         Leg("megatron-P2-breadth-first-zb-ddp", "megatron", "megatron-P2", "Megatron-LM, 2 ranks, breadth-first-zb "
             "with Megatron's own DDP and --overlap-grad-reduce (its gradient hooks under a split schedule)",
-            {"cuda": 35, "cpu": 35}, ranks=2,
+            {"cuda": 35, "cpu": 25}, ranks=2,
             flags=(*p2, "--pipeline-schedule", "breadth-first-zb", "--overlap-grad-reduce"),
             reference="megatron-P2-default"),
         Leg("sync-P2-breadth-first-zero3", "sync", "sync-memory", "host synchronisations inside the schedule's "
@@ -138,12 +138,12 @@ def plan_legs(device: str) -> list[Leg]:
             flags=(*p2, "--pipeline-schedule", "breadth-first", "--zero-stage", "3")),
         Leg("memory-vs-simulator", "memory", "sync-memory", "peak memory per rank (torch.cuda.max_memory_allocated; "
             "on CPU the runtime's own count) against the simulator's per-rank prediction",
-            {"cuda": 5, "cpu": 8}, inputs=("bfpp-P4-breadth-first-zero3", "bfpp-P2-breadth-first-zero3")),
+            {"cuda": 5, "cpu": 3}, inputs=("bfpp-P4-breadth-first-zero3", "bfpp-P2-breadth-first-zero3")),
         Leg("megatron-P1-default", "megatron", "megatron-P1", "Megatron-LM pretrain_gpt.py on one rank, stock 1F1B: "
-            "the reference", {"cuda": 30, "cpu": 25}, flags=(*_vp_flags(shape, 1, 1), "--pipeline-schedule",
+            "the reference", {"cuda": 30, "cpu": 20}, flags=(*_vp_flags(shape, 1, 1), "--pipeline-schedule",
                                                              "default")),
         Leg("megatron-P1-1f1b-zero3", "megatron", "megatron-P1", "Megatron-LM on one rank, the plugin's 1f1b with "
-            "ZeRO-3", {"cuda": 30, "cpu": 25},
+            "ZeRO-3", {"cuda": 30, "cpu": 20},
             flags=(*_vp_flags(shape, 1, 1), "--pipeline-schedule", "1f1b", "--zero-stage", "3"),
             reference="megatron-P1-default"),
         Leg("te-megatron-P1-default", "megatron", "transformer-engine", "Megatron-LM on one rank with "
