@@ -309,6 +309,14 @@ def test_a_leg_whose_requirement_does_not_import_is_not_run(tmp_path) -> None:
     assert r.status == "not-run" and "does not fit" in r.detail
 
 
+def test_a_chosen_leg_brings_its_reference_and_inputs(tmp_path) -> None:
+    d = run.Driver("cpu", tmp_path / "out", 480, sys.executable, root=tmp_path, only={"memory-vs-simulator",
+                                                                                     "megatron-P1-1f1b-zero3"})
+    assert [leg.name for leg in d.legs] == ["install", "bfpp-P1-reference", "bfpp-P4-breadth-first-zero3",
+                                            "bfpp-P2-breadth-first-zero3", "memory-vs-simulator",
+                                            "megatron-P1-default", "megatron-P1-1f1b-zero3"]
+
+
 def test_commands_share_the_device_through_the_rank_wrapper(tmp_path) -> None:
     d = _driver(tmp_path)
     d.tree = tmp_path / "megatron-lm"

@@ -112,7 +112,18 @@ class Driver:
                  only: set[str] | None = None) -> None:
         self.device, self.out, self.python, self.root = device, out, python, root
         self.kit, self.site, self.work = root / KIT, root / SITE, root / WORK
-        self.legs = [leg for leg in plan_legs(device) if only is None or leg.name in only or leg.kind == "install"]
+        legs = plan_legs(device)
+        if only is not None:  # a leg brings its reference and the legs whose reports it reads
+            only = set(only) | {"install"}
+            by_name = {leg.name: leg for leg in legs}
+            todo = list(only)
+            while todo:
+                leg = by_name[todo.pop()]
+                for name in ([leg.reference] if leg.reference else []) + list(leg.inputs):
+                    if name not in only:
+                        only.add(name)
+                        todo.append(name)
+        self.legs = [leg for leg in legs if only is None or leg.name in only]
         self.groups = group_logs(self.legs)
         self.logs = log_of(self.groups)
         assert len(self.groups) + 1 <= MAX_RESULT_FILES
