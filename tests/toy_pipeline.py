@@ -281,6 +281,189 @@ class DelayedWgradToyStage(_MegatronToyStage):
         return out
 
 
+# --- A stand-in for TransformerEngine's GroupedLinear (MoE experts) with delayed weight gradients ---------------
+# It models, per version band, what transformer_engine/pytorch/module/grouped_linear.py does (lines in
+# NVIDIA/TransformerEngine at the tag named). Bands: "2.7"; "2.8" (2.8 and 2.9); "2.10" (2.10 to 2.12; later
+# releases keep returning the weight-gradient buffers at I, 2.16 on as views of one packed buffer). No FP8: bias
+# gradients come from the weight-gradient GEMM.
+# - _GroupedLinear.backward (v2.8 263-485, v2.10 289-495, v2.12 311-529): unfused, `wgrad_list` is a fresh
+#   `torch.empty(w.size())` per expert (v2.8 369-373, v2.12 426-430) that the queued GEMM fills later
+#   (`ctx.wgrad_store.put([inputmats, grad_output, wgrad_list], grouped_gemm_wgrad)`, v2.8 409, v2.12 473); fused,
+#   it is the experts' main_grad (v2.8 368), accumulated into. `handle_custom_ddp_from_mcore` (v2.8 421-447, v2.10
+#   451-473) leaves an unfused one as it is; fused with `grad_added_to_main_grad` it sets the flag and gives a
+#   placeholder: a fresh torch.empty / torch.zeros (zero_out_wgrad) in 2.7-2.9 (v2.8 424-441),
+#   get_dummy_wgrad(..., zero=zero_out_wgrad) from 2.10 (v2.10 454-468); fused without it, None. Only 2.7 then
+#   replaces them with None under the delay (`if ctx.wgrad_store ... delay_wgrad_compute(): wgrad_list = [None] *
+#   ctx.num_gemms`, v2.7 455-456); from 2.8 on autograd is handed the unfilled buffers at I (`*wgrad_list` in the
+#   returned tuple, v2.8 484, v2.12 528), so each unfused expert weight gets an expert-sized `.grad` of undefined
+#   contents (a copy: TransformerEngine's queue still holds the buffer) from I until backward_dw. Bias gradients
+#   are None at I under the delay without FP8 (v2.8 455-460).
+# - GroupedLinear.backward_dw (v2.7 818-840, v2.8 815-836, v2.10 820-840): pops the oldest GEMM; unfused, sets
+#   `weight{i}.grad = wgrad_list[i].to(...)` unconditionally from 2.8 (v2.8 829), only when None in 2.7 (v2.7
+#   832-833); sets `bias{i}.grad` when None (v2.8 833); runs the wgrad_accumulation_and_reduce_hooks. From 2.10
+#   it returns early unless need_backward_dw() (v2.10 825). GroupedLinear.__init__ marks weight{i} and bias{i}
+#   skip_backward_post_hook under the delay (v2.8 662-666).
+EXPERTS, M_SPLITS = 2, [3, 5]  # tokens per expert of a micro-batch's SEQ x MBS = 8 tokens
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """module/grouped_linear.py _GroupedLinear (no FP8, no TP): the flattened input's rows split by m_splits, row
+    group i through expert i."""
+
+    @staticmethod
+    def forward(ctx, inp, module, *params):
+        n = module.num_gemms
+        weights, biases = params[:n], params[n:]
+        ctx.save_for_backward(inp, *weights)
+        ctx.module = module
+        xs = torch.split(inp.reshape(-1, inp.shape[-1]), module.m_splits)
+        outs = [x @ w.t() + (biases[i] if biases else 0) for i, (x, w) in enumerate(zip(xs, weights))]
+        return torch.cat(outs).view(*inp.shape[:-1], weights[0].shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        inp, *weights = ctx.saved_tensors
+        m = ctx.module
+        n, delayed, fused = m.num_gemms, m.wgrad_store.delay_wgrad_compute(), m.fuse_wgrad_accumulation
+        params = [getattr(m, f"weight{i}") for i in range(n)]  # the Parameters (main_grad, grad_added_to_main_grad)
+        xs = torch.split(inp.reshape(-1, inp.shape[-1]), m.m_splits)
+        dys = torch.split(grad_output.reshape(-1, grad_output.shape[-1]), m.m_splits)
+        dgrad = torch.cat([dy @ w for dy, w in zip(dys, weights)]).view(inp.shape)
+        if fused:
+            wgrad_list = [p.main_grad for p in params]
+        else:  # torch.empty in TransformerEngine: NaN here, so an unfilled buffer taken for a gradient shows
+            wgrad_list = [torch.full(w.shape, float("nan"), dtype=w.dtype) for w in weights]
+
+        @torch.no_grad()  # general_grouped_gemm: out=wgrad_list, accumulate when fused, bias gradients fused in
+        def grouped_gemm_wgrad(xs, dys, wgrad_list):
+            for x, dy, out in zip(xs, dys, wgrad_list):
+                if fused:
+                    out.add_(dy.t() @ x)
+                else:
+                    out.copy_(dy.t() @ x)
+            return None, [dy.sum(0) if m.use_bias else None for dy in dys], None
+
+        grad_biases = [None] * n
+        if delayed:
+            m.wgrad_store.put([xs, dys, wgrad_list], grouped_gemm_wgrad)
+        else:
+            _, grad_biases, _ = grouped_gemm_wgrad(xs, dys, wgrad_list)
+
+        def handle_custom_ddp_from_mcore(weight, wgrad):
+            if fused and hasattr(weight, "grad_added_to_main_grad"):
+                weight.grad_added_to_main_grad = True
+                zero = getattr(weight, "zero_out_wgrad", False)
+                if m.version == "2.10":
+                    return get_dummy_wgrad(list(weight.main_grad.shape), weight.dtype, zero=zero)
+                return torch.zeros_like(weight) if zero else torch.full_like(weight, float("nan"))
+            return None if fused else wgrad
+
+        wgrad_list = [handle_custom_ddp_from_mcore(p, w) for p, w in zip(params, wgrad_list)]
+        if m.version == "2.7" and delayed:
+            wgrad_list = [None] * n
+        if not m.use_bias or delayed:
+            grad_biases = [None] * n
+        return (dgrad, None, *wgrad_list, *(grad_biases if m.use_bias else []))
+
+
+class DelayedWgradGroupedLinear(torch.nn.Module):
+    """TransformerEngine's GroupedLinear (`weight{i}`, `bias{i}` per expert) at a version band."""
+
+    def __init__(self, weights: list, biases: list | None, m_splits: list[int], delay_wgrad_compute: bool = True,
+                 fuse_wgrad_accumulation: bool = False, version: str = "2.10"):
+        super().__init__()
+        assert version in TE_BANDS, version
+        self.num_gemms, self.m_splits, self.version = len(weights), list(m_splits), version
+        self.use_bias = self.apply_bias = biases is not None
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        for i, w in enumerate(weights):
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(w.detach().clone()))
+            if biases is not None:
+                self.register_parameter(f"bias{i}", torch.nn.Parameter(biases[i].detach().clone()))
+        self.wgrad_store = WeightGradStore(delay_wgrad_compute)
+        self.wgrad_accumulation_and_reduce_hooks: list = []
+        self.backward_dw_calls = 0
+        if self.wgrad_store.delay_wgrad_compute():
+            for name, param in self.named_parameters():
+                for i in range(self.num_gemms):
+                    if name in (f"weight{i}", f"bias{i}"):
+                        param.skip_backward_post_hook = True
+        if version == "2.10":
+            self.need_backward_dw = self.wgrad_store.delay_wgrad_compute
+
+    def weights(self) -> list:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def forward(self, x):
+        biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
+        return _GroupedLinear.apply(x, self, *self.weights(), *biases)
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
+        self.wgrad_accumulation_and_reduce_hooks.append(hook)
+
+    def backward_dw(self) -> None:
+        if not self.wgrad_store.delay_wgrad_compute():  # >= 2.10: `if not self.need_backward_dw()`, the same
+            return
+        self.backward_dw_calls += 1
+        (_, grad_biases_, _), tensor_list = self.wgrad_store.pop()
+        wgrad_list = tensor_list[2]
+        if not self.fuse_wgrad_accumulation:
+            for w, wgrad in zip(self.weights(), wgrad_list):
+                if self.version != "2.7" or w.grad is None:
+                    w.grad = wgrad.to(w.dtype)
+        if self.use_bias:
+            for i in range(self.num_gemms):
+                bias = getattr(self, f"bias{i}")
+                if bias.grad is None:
+                    bias.grad = grad_biases_[i].to(bias.dtype)
+        del grad_biases_, wgrad_list, tensor_list
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
+
+
+def expert_tensors(stage: int, seed: int = 0) -> tuple[list, list]:
+    """Expert weights and biases of a grouped stage: expert 0 has ToyStage's, the others their own."""
+    toy = ToyStage(make_config(), stage, stage + 1, seed)
+    g = torch.Generator().manual_seed(seed * 1000 + stage + 500)
+    weights = [toy.linear.weight.detach()] + [torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5
+                                              for _ in range(EXPERTS - 1)]
+    biases = [toy.linear.bias.detach()] + [torch.randn(HIDDEN, generator=g) * 0.1 for _ in range(EXPERTS - 1)]
+    return weights, biases
+
+
+class GroupedToyStage(_MegatronToyStage):
+    """A toy stage whose linear is the GroupedLinear stand-in: tanh of EXPERTS experts, each on its run of
+    M_SPLITS tokens of the micro-batch."""
+
+    def __init__(self, config, stage: int, num_stages: int, seed: int = 0, bias: bool = True, **grouped):
+        super().__init__(config, stage, num_stages, seed)
+        weights, biases = expert_tensors(stage, seed)
+        self.linear = DelayedWgradGroupedLinear(weights, biases if bias else None, M_SPLITS, **grouped)
+
+    def _linear(self, inp):
+        return self.linear(inp)
+
+
+def grouped_reference(num_stages: int, batches: list[dict], seed: int = 0, bias: bool = True) -> dict:
+    """Single process, plain autograd: {stage: {"weight{i}" / "bias{i}": gradient}} of GroupedToyStage's."""
+    params = {}
+    for s in range(num_stages):
+        weights, biases = expert_tensors(s, seed)
+        params[s] = {f"weight{i}": w.clone().requires_grad_() for i, w in enumerate(weights)}
+        if bias:
+            params[s].update({f"bias{i}": b.clone().requires_grad_() for i, b in enumerate(biases)})
+    for b in batches:
+        h = b["x"]
+        for s in range(num_stages):
+            xs = torch.split(h.reshape(-1, HIDDEN), M_SPLITS)
+            p = params[s]
+            out = torch.cat([x @ p[f"weight{i}"].t() + (p[f"bias{i}"] if bias else 0) for i, x in enumerate(xs)])
+            h = torch.tanh(out.view(h.shape))
+        loss_sum, n, _ = _loss(b["y"], h)
+        (loss_sum / n / len(batches)).backward()
+    return {s: {name: t.grad.clone() for name, t in p.items()} for s, p in params.items()}
+
+
 def make_batches(num: int, seed: int = 1) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     return [{"x": torch.randn(SEQ, MBS, HIDDEN, generator=g), "y": torch.randn(SEQ, MBS, HIDDEN, generator=g)}

@@ -26,8 +26,10 @@ weight-gradient GEMMs themselves: W calls their `backward_dw()`, whose hooks rea
 and a B on such a chunk calls it right after its backward. Parameters whose gradient such a layer hands autograd
 at I instead (biases under FP8 or `return_bias`, the placeholder weight gradient under gradient-accumulation
 fusion) get a placeholder before a later `backward_dw()` finds their gradient already taken (see
-`run_delayed_wgrads`). Any other layer (TransformerEngine without the delay) runs its backward whole at I, once:
-Megatron-Core chunks never take the graph split, whose W would run such a layer's backward again.
+`run_delayed_wgrads`); their weights without that fusion get nothing at I (TransformerEngine's GroupedLinear
+hands autograd there, from 2.8, the expert-sized buffers its queued GEMM fills at W: see
+`_unfilled_wgrads_at_input_grad`). Any other layer (TransformerEngine without the delay) runs its backward whole
+at I, once: Megatron-Core chunks never take the graph split, whose W would run such a layer's backward again.
 Loss scaling on the last stage follows Megatron's `backward_step`. Outputs of split schedules are not
 pseudo-deallocated (autograd checks their shapes), which keeps one output per pending I.
 """
@@ -288,13 +290,62 @@ def _mark_grad_at_input_grad(param: torch.nn.Parameter):
     return hook
 
 
+def _unfilled_wgrads_at_input_grad(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The weights of a delaying module whose gradient its backward at I cannot have computed: without
+    gradient-accumulation fusion its weight-gradient GEMM runs only in `backward_dw()`, which sets the weight's
+    `.grad` itself. TransformerEngine's GroupedLinear (2.8 on: transformer_engine/pytorch/module/grouped_linear.py,
+    `_GroupedLinear.backward` returns `*wgrad_list`, the `torch.empty` buffers its queued GEMM fills later, v2.8
+    lines 369-373 and 484; 2.7 returned None under the delay, lines 455-456) hands autograd exactly those at I, so
+    each expert weight would hold an expert-sized `.grad` of undefined contents (autograd's copy: the queue keeps
+    the buffer) until `backward_dw()` replaces it (`weight{i}.grad = wgrad_list[i].to(...)`, v2.8 line 829);
+    Linear returns None there. Weights by name: the module's `weight_names` (Linear, LayerNormLinear,
+    LayerNormMLP), else `weight*` (GroupedLinear's `weight{i}`); its own parameters, marked
+    `skip_backward_post_hook` by TransformerEngine under the delay (used by that module only: from 2.8 its
+    `backward_dw()` overwrites any other gradient such a weight got)."""
+    if getattr(module, "fuse_wgrad_accumulation", False):
+        return []
+    names = set(getattr(module, "weight_names", None) or ())
+    return [p for name, p in module.named_parameters(recurse=False)
+            if getattr(p, "skip_backward_post_hook", False) and (name in names if names else name.startswith("weight"))]
+
+
+def _grad_accumulator(param: torch.nn.Parameter):
+    """The parameter's AccumulateGrad node, without reading its data (ZeRO-3 keeps a weight's storage empty at
+    rest, where Megatron's `param.expand_as(param).grad_fn.next_functions[0][0]` fails)."""
+    get_gradient_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    if get_gradient_edge is not None:
+        return get_gradient_edge(param).node
+    with torch.enable_grad():
+        return param.expand_as(param).grad_fn.next_functions[0][0]
+
+
+def _drop_unfilled_wgrads_at_input_grad(module: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+    """Autograd accumulates nothing into these weights in the module's backward: a pre-hook on each weight's
+    AccumulateGrad node replaces what arrives with no gradient (the node then returns at once, and autograd
+    neither copies the buffer nor allocates a `.grad`). W's `backward_dw()` sets the real gradient and its hooks
+    hand it to the data-parallel wrapper, as before. The nodes are kept on the module: autograd holds a leaf's
+    AccumulateGrad weakly, and a new one would come without the hook."""
+    nodes = module.__dict__.setdefault("_bfpp_grad_accumulators", [])
+    for p in params:
+        if getattr(p, "_bfpp_dropped_at_i", False):
+            continue
+        node = _grad_accumulator(p)
+        node.register_prehook(lambda grads: (None,) * len(grads))
+        nodes.append(node)
+        p._bfpp_dropped_at_i = True
+
+
 def _watch_grads_at_input_grad(module: torch.nn.Module) -> None:
     """Record which of the module's delayed parameters autograd hands a gradient in the module's own backward
     (at I): TransformerEngine computes a bias's gradient there under FP8 or `return_bias` (its `backward_dw()`
     then has None for it), and returns its placeholder weight gradient there under gradient-accumulation
-    fusion. Observed rather than derived from the layer's flags, which differ per module and version."""
+    fusion. Observed rather than derived from the layer's flags, which differ per module and version. Weights
+    without gradient-accumulation fusion get no gradient at I (`_unfilled_wgrads_at_input_grad`): what their
+    backward hands over there is not one."""
+    unfilled = _unfilled_wgrads_at_input_grad(module)
+    _drop_unfilled_wgrads_at_input_grad(module, unfilled)
     for p in _params_set_at_w(module):
-        if not getattr(p, "_bfpp_watched", False):
+        if not getattr(p, "_bfpp_watched", False) and not any(p is q for q in unfilled):
             p.register_hook(_mark_grad_at_input_grad(p))
             p._bfpp_watched = True
 
