@@ -62,7 +62,8 @@ def nccl_pipeline(monkeypatch):
     monkeypatch.setattr(p2p, "default_timeout_s", lambda: None)  # no Megatron-LM arguments
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * len(out)))
+    monkeypatch.setattr(dist, "all_gather_object",
+                        lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * len(out)))
     monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: calls.append(kw) or SimpleNamespace(ranks=ranks))
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **kw: None)
     p2p.forget_channel_groups()
