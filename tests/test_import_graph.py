@@ -2,8 +2,10 @@
 
 Every import statement of every module counts: at module level, inside functions (an import deferred to a
 call still makes the two modules depend on each other, and only hides the circle until that call) and under
-`if TYPE_CHECKING:`. `from pkg import name` depends on the submodule `pkg.name` when there is one, else on
-`pkg` itself (its `__init__`).
+`if TYPE_CHECKING:`; and so does every `importlib.import_module(...)` / `import_module(...)` / `__import__(...)` call
+whose module name is a string literal (a relative name resolved against its `package` argument: a literal,
+`__name__` or `__package__`). `from pkg import name` depends on the submodule `pkg.name` when there is one, else on
+`pkg` itself (its `__init__`). A module name computed at run time (cli.py's command table) cannot be seen.
 """
 
 from __future__ import annotations
@@ -15,20 +17,60 @@ from collections import defaultdict
 PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_bfpp")
 
 
-def _module_name(path: str) -> str:
-    rel = os.path.relpath(path, os.path.dirname(PACKAGE_DIR))[: -len(".py")].replace(os.sep, ".")
+def _module_name(path: str, package_dir: str = PACKAGE_DIR) -> str:
+    rel = os.path.relpath(path, os.path.dirname(package_dir))[: -len(".py")].replace(os.sep, ".")
     return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
 
 
-def package_modules() -> dict[str, str]:
+def package_modules(package_dir: str = PACKAGE_DIR) -> dict[str, str]:
     """Module name -> file, for every module of the package."""
     found = {}
-    for folder, _, files in os.walk(PACKAGE_DIR):
+    for folder, _, files in os.walk(package_dir):
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(folder, name)
-                found[_module_name(path)] = path
+                found[_module_name(path, package_dir)] = path
     return found
+
+
+def _resolve(name: str, package: str | None) -> str | None:
+    """importlib's resolution of a (possibly relative) module name against `package`."""
+    level = len(name) - len(name.lstrip("."))
+    if not level:
+        return name
+    if not package:
+        return None  # importlib raises: nothing to depend on
+    parts = package.split(".")
+    if level > len(parts):
+        return None
+    return ".".join(parts[: len(parts) - level + 1] + ([name[level:]] if name[level:] else []))
+
+
+def _dynamic_import(node: ast.Call, module: str, package: str) -> str | None:
+    """The module an `importlib.import_module(NAME[, PACKAGE])`, `import_module(...)` or `__import__(NAME)` call
+    imports, when NAME is a string literal."""
+    func = node.func
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "importlib":
+        called = func.attr
+    elif isinstance(func, ast.Name):
+        called = func.id
+    else:
+        return None
+    if called not in ("import_module", "__import__") or not node.args:
+        return None
+    name = node.args[0]
+    if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
+        return None
+    if called == "__import__":
+        return name.value
+    anchor = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "package"), None)
+    if isinstance(anchor, ast.Constant) and isinstance(anchor.value, str):
+        anchor_name: str | None = anchor.value
+    elif isinstance(anchor, ast.Name) and anchor.id in ("__name__", "__package__"):
+        anchor_name = module if anchor.id == "__name__" else package
+    else:
+        anchor_name = None
+    return _resolve(name.value, anchor_name)
 
 
 def imports_of(module: str, source: str, modules: dict[str, str]) -> dict[str, int]:
@@ -45,6 +87,11 @@ def imports_of(module: str, source: str, modules: dict[str, str]) -> dict[str, i
             else:
                 base = node.module or ""
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        elif isinstance(node, ast.Call):
+            target = _dynamic_import(node, module, package)
+            if target is None:
+                continue
+            targets = [target]
         else:
             continue
         for target in targets:
@@ -53,8 +100,8 @@ def imports_of(module: str, source: str, modules: dict[str, str]) -> dict[str, i
     return found
 
 
-def import_graph() -> dict[str, dict[str, int]]:
-    modules = package_modules()
+def import_graph(package_dir: str = PACKAGE_DIR) -> dict[str, dict[str, int]]:
+    modules = package_modules(package_dir)
     graph = {}
     for name, path in modules.items():
         with open(path) as f:
@@ -130,3 +177,29 @@ def test_circles_are_found_through_function_level_and_type_checking_imports():
     assert graph["p.b"] == {"p.a": 2} and graph["p.c"] == {"p.d": 3}
     assert import_circles(graph) == [["p.a", "p.b"], ["p.c", "p.d"]]
     assert import_circles({"p.a": {"p.b": 1}, "p.b": {}, "p.c": {"p.a": 1}}) == []
+
+
+def test_circles_are_found_through_import_module_calls(tmp_path):
+    """A package on disk whose circles each close through a call: `importlib.import_module` with an absolute
+    name inside a function, `import_module` (imported from importlib) with a relative name and `__package__`,
+    and `__import__`; a name computed at run time and modules outside the package add nothing."""
+    files = {
+        "__init__.py": "",
+        "a.py": "import importlib\n\ndef load():\n    return importlib.import_module('pkg.b')\n",
+        "b.py": "from . import a\n",
+        "c.py": "from importlib import import_module\n\nD = import_module('.d', __package__)\n",
+        "d.py": "import pkg.c\n",
+        "e.py": "def f():\n    return __import__('pkg.f')\n",
+        "f.py": "import importlib\n\ndef g():\n    importlib.import_module('..e', package='pkg.sub')\n",
+        "sub/__init__.py": "import importlib\n\nNAME = 'pkg.a'\nimportlib.import_module(NAME)\n"
+                           "importlib.import_module('json')\nimportlib.import_module('.x', package='pkg.sub')\n",
+    }
+    for rel, text in files.items():
+        path = tmp_path / "pkg" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    graph = import_graph(str(tmp_path / "pkg"))
+    assert graph["pkg.a"] == {"pkg.b": 4} and graph["pkg.c"] == {"pkg.d": 3}
+    assert graph["pkg.e"] == {"pkg.f": 2} and graph["pkg.f"] == {"pkg.e": 4}
+    assert graph["pkg.sub"] == {}
+    assert import_circles(graph) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"], ["pkg.e", "pkg.f"]]
