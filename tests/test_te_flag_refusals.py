@@ -1,6 +1,7 @@
 """Megatron-LM flags whose TransformerEngine weight-gradient handling clashes with the plugin's schedule are refused
-at argument validation (before any process group exists), by `install()` and by `python -m
-megatron_bfpp.megatron.check`, each with one message naming the flag and the fix:
+at argument validation (before any process group exists: `install()`, which Megatron-LM's validate_args reaches
+through the argument hooks) and by `python -m megatron_bfpp.megatron.check`, each with one message naming the flag
+and the fix:
 
 - --use-transformer-engine-op-fuser under the split-backward schedules, where the plugin builds TransformerEngine
   (>= 2.7) layers with delay_wgrad_compute: the op fuser's MLP never runs the forward of the layers whose queued
@@ -59,19 +60,17 @@ def te(monkeypatch):
 @pytest.mark.parametrize("schedule", SPLIT_BACKWARD_SCHEDULES)
 def test_op_fuser_refused_under_split_backward_with_delayed_te_layers(te, schedule, capsys) -> None:
     """TransformerEngine >= 2.7 (layers built with delay_wgrad_compute): one error naming the flag and the fix,
-    from validation, from install (nothing rebound) and from the check command."""
+    from install (nothing rebound) and from the check command."""
     flags = _flags(schedule, OP_FUSER)
     args = parse_megatron_args(flags, WORLD)
     assert args.transformer_impl == "transformer_engine"
     with pytest.raises(ConfigError) as e:
-        bm.validate_args(args)
+        bm.install(args)
+    assert not bm.is_installed() and not args.delay_wgrad_compute
     msg = str(e.value)
     assert msg.startswith(f"{OP_FUSER} with --pipeline-schedule {schedule}: "), msg
     assert "Pop empty queue" in msg and f"drop {OP_FUSER}" in msg, msg
     assert "breadth-first" in msg and "interleaved-1f1b" in msg, msg
-    with pytest.raises(ConfigError, match=OP_FUSER):
-        bm.install(args)
-    assert not bm.is_installed() and not args.delay_wgrad_compute
     assert check.main(["--world-size", str(WORLD), "--", *flags]) == 2
     err = capsys.readouterr().err
     assert f"megatron_bfpp: error: {OP_FUSER} with --pipeline-schedule {schedule}" in err, err
@@ -87,8 +86,9 @@ def test_op_fuser_refused_under_split_backward_with_delayed_te_layers(te, schedu
 ])
 def test_op_fuser_accepted_where_nothing_is_delayed(te, schedule, version, impl) -> None:
     te(version)
-    args = parse_megatron_args(_flags(schedule, OP_FUSER, "--transformer-impl", impl), WORLD)
-    assert bm.validate_args(args).pipeline_schedule == schedule
+    flags = _flags(schedule, OP_FUSER, "--transformer-impl", impl)
+    assert check.check(flags, WORLD).pipeline_schedule == schedule
+    bm.install(parse_megatron_args(flags, WORLD))
 
 
 @pytest.mark.parametrize("schedule, version", [(s, "2.8.0") for s in SPLIT_BACKWARD_SCHEDULES]

@@ -84,8 +84,14 @@ def parse_megatron_args(
 
 
 def check(argv: Sequence[str], world_size: int, gpu_arch: int = 9) -> PluginConfig:
-    """Parse with Megatron and validate with the plugin; raise on the first problem."""
-    return validate_args(parse_megatron_args(argv, world_size, gpu_arch=gpu_arch))
+    """Parse with Megatron and validate with the plugin (its argument checks, and those that depend on the
+    installed TransformerEngine); raise on the first problem."""
+    from .install import check_transformer_engine_flags
+
+    args = parse_megatron_args(argv, world_size, gpu_arch=gpu_arch)
+    cfg = validate_args(args)
+    check_transformer_engine_flags(args, cfg)
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:

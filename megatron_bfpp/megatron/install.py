@@ -110,6 +110,32 @@ def delays_te_wgrads(args: argparse.Namespace, cfg: PluginConfig) -> bool:
             and te_delayed_wgrad_blocker(args) is None)
 
 
+def check_transformer_engine_flags(args: argparse.Namespace, cfg: PluginConfig) -> None:
+    """Megatron-LM flags refused where the plugin builds TransformerEngine layers with delay_wgrad_compute (it
+    depends on the installed TransformerEngine, so it is checked here, by `install` and by the check command,
+    after `validate_args`): --use-transformer-engine-op-fuser under the split-backward schedules. ConfigError
+    naming the flag and the fix."""
+    from .validation import ConfigError
+
+    if getattr(args, "use_transformer_engine_op_fuser", False) and delays_te_wgrads(args, cfg):
+        # The plugin builds every TransformerEngine layer with delay_wgrad_compute here. Megatron's TEFusedMLP
+        # (megatron/core/extensions/transformer_engine.py) runs its MLP through te.pytorch.ops.Sequential built from
+        # the weights of linear_fc1 / linear_fc2, whose own forward never runs: their queues stay empty and the
+        # W's backward_dw() on them fails (TransformerEngine's WeightGradStore.pop, "Pop empty queue"); the fused
+        # ops' weight gradients come at I to parameters marked skip_backward_post_hook, whose hooks only
+        # backward_dw() fires. The same holds for MoE experts under the flag (TEGroupedMLP in
+        # megatron/core/transformer/moe/experts.py: `_with_fused_impl = config.use_transformer_engine_op_fuser`;
+        # its fused ops, kept out of the module tree, queue the GEMMs, and linear_fc1 / linear_fc2 never run).
+        raise ConfigError(
+            f"--use-transformer-engine-op-fuser with --pipeline-schedule {cfg.pipeline_schedule}: the split backward "
+            "builds TransformerEngine layers with delay_wgrad_compute and runs their queued weight-gradient GEMMs at "
+            "W, but the op fuser's MLP (TEFusedMLP) never runs the forward of its linear_fc1 / linear_fc2, so their "
+            "queues stay empty and W fails in TransformerEngine (\"Pop empty queue\"); drop "
+            "--use-transformer-engine-op-fuser, or use a schedule without split backward: --pipeline-schedule "
+            "breadth-first, interleaved-1f1b (1f1b at V = 1) or default"
+        )
+
+
 def split_backward_note(args: argparse.Namespace, cfg: PluginConfig) -> str | None:
     """What a split-backward schedule does with these layers, when TransformerEngine's are involved."""
     if cfg.pipeline_schedule not in SPLIT_BACKWARD_SCHEDULES:
@@ -278,6 +304,7 @@ def install(args: argparse.Namespace) -> PluginConfig:
     previous install."""
     cfg = validate_args(args)
     check_requested_delay(args, cfg)
+    check_transformer_engine_flags(args, cfg)
     # Resolve everything before touching Megatron: a failure below leaves it as it was.
     plan: list[tuple[Any, str, Any]] = []
     if cfg.uses_runtime:

@@ -254,13 +254,12 @@ def _check_zero_stage_readers(args: argparse.Namespace, zero: int) -> None:
 
 
 def _check_queued_weight_gradients(cfg: PluginConfig, args: argparse.Namespace) -> None:
-    """Megatron-LM features that run TransformerEngine's queued weight-gradient GEMMs themselves, or build layers
-    whose queue never fills, where the plugin's schedule runs every queued GEMM of a TransformerEngine layer
-    itself: its W (split-backward schedules), or right after a B, calls `backward_dw()` on each layer whose
-    weight gradients are queued (`runtime/split_backward.py` `run_delayed_wgrads`), and TransformerEngine's
-    `WeightGradStore.pop` (module/_common.py) raises "Pop empty queue" when that layer's queue is empty."""
-    from .install import delays_te_wgrads  # install imports this module
-
+    """Megatron-LM features that run TransformerEngine's queued weight-gradient GEMMs themselves, where the plugin's
+    schedule runs every queued GEMM of a TransformerEngine layer itself: its W (split-backward schedules), or
+    right after a B, calls `backward_dw()` on each layer whose weight gradients are queued
+    (`runtime/split_backward.py` `run_delayed_wgrads`), and TransformerEngine's `WeightGradStore.pop`
+    (module/_common.py) raises "Pop empty queue" when that layer's queue is empty. (The refusal that depends on the
+    installed TransformerEngine, --use-transformer-engine-op-fuser, is install.check_transformer_engine_flags.)"""
     schedule = cfg.pipeline_schedule
     if _flag(args, "overlap_dispatch_backward_with_experts_wgrad", False):
         # Megatron queues the experts' weight GEMMs for this flag alone (TEGroupedLinear.__init__:
@@ -282,23 +281,6 @@ def _check_queued_weight_gradients(cfg: PluginConfig, args: argparse.Namespace) 
             "and the plugin's schedule runs every queued GEMM of a TransformerEngine layer itself (at W, or right "
             "after a B), so TransformerEngine's queue is popped twice (\"Pop empty queue\"); drop "
             f"--overlap-dispatch-backward-with-experts-wgrad{split}, or use --pipeline-schedule default"
-        )
-    if _flag(args, "use_transformer_engine_op_fuser", False) and delays_te_wgrads(args, cfg):
-        # The plugin builds every TransformerEngine layer with delay_wgrad_compute here. Megatron's TEFusedMLP
-        # (megatron/core/extensions/transformer_engine.py) runs its MLP through te.pytorch.ops.Sequential built from
-        # the weights of linear_fc1 / linear_fc2, whose own forward never runs: their queues stay empty and the
-        # W's backward_dw() on them fails (TransformerEngine's WeightGradStore.pop, "Pop empty queue"); the fused
-        # ops' weight gradients come at I to parameters marked skip_backward_post_hook, whose hooks only
-        # backward_dw() fires. The same holds for MoE experts under the flag (TEGroupedMLP in
-        # megatron/core/transformer/moe/experts.py: `_with_fused_impl = config.use_transformer_engine_op_fuser`;
-        # its fused ops, kept out of the module tree, queue the GEMMs, and linear_fc1 / linear_fc2 never run).
-        raise ConfigError(
-            f"--use-transformer-engine-op-fuser with --pipeline-schedule {schedule}: the split backward builds "
-            "TransformerEngine layers with delay_wgrad_compute and runs their queued weight-gradient GEMMs at W, "
-            "but the op fuser's MLP (TEFusedMLP) never runs the forward of its linear_fc1 / linear_fc2, so their "
-            "queues stay empty and W fails in TransformerEngine (\"Pop empty queue\"); drop "
-            "--use-transformer-engine-op-fuser, or use a schedule without split backward: --pipeline-schedule "
-            "breadth-first, interleaved-1f1b (1f1b at V = 1) or default"
         )
 
 
