@@ -12,6 +12,9 @@ if [ -z "${MEGATRON_LM_DIR:-}" ] && [ -f "$ROOT/../shared/megatron-lm/core_v0.19
   MEGATRON_LM_DIR="$(cd "$ROOT/../shared/megatron-lm/core_v0.19.0" && pwd)"
   export MEGATRON_LM_DIR
 fi
+# Bytecode written once to a cache outside the clone, read by every later process (tests/conftest.py).
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-${BFPP_VENV_CACHE:-$HOME/.cache/megatron_bfpp}/pycache}"
 SELECT=()
 if [ "${1:-}" = "--fast" ]; then
   shift

@@ -28,6 +28,13 @@ from tests.paths import IMPORT_GUARD, ROOT
 os.environ["MEGATRON_BFPP_TEST_ROOT"] = str(ROOT)
 _rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(ROOT), str(IMPORT_GUARD))]
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(IMPORT_GUARD), *_rest])
+# Every process the tests start imports torch, Megatron (the checkout's sources too) and this package: their
+# bytecode is written once to a cache outside the clone and the checkouts (which stay untouched), and read by every
+# later process, even where the environment turns bytecode writing off.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+os.environ.setdefault("PYTHONPYCACHEPREFIX", str(Path(os.environ.get("BFPP_VENV_CACHE",
+                                                                     Path.home() / ".cache" / "megatron_bfpp"))
+                                                  / "pycache"))
 
 
 def pytest_sessionstart(session) -> None:

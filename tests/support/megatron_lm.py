@@ -122,7 +122,7 @@ class Runner:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("BFPP_", "MASTER_", "TORCHELASTIC"))}
         env.update(PYTHONPATH=subprocess_pythonpath(str(SHIM)), BFPP_CPU_SHIM="1", BFPP_PRETRAIN_RECORD=str(record),
                    CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                   PYTHONDONTWRITEBYTECODE="1", **(extra_env or {}))
+                   **(extra_env or {}))
         start = time.monotonic()
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=self.workdir, timeout=timeout)
         run = Run(name, r.stdout + r.stderr, time.monotonic() - start, r.returncode)
