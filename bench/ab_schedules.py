@@ -15,7 +15,7 @@ Variants (every one on its own copy of the same model, identically initialised, 
                      after it) and returning one (hidden states, or logits [b, s, vocab] on the last stage),
                      with a masked per-micro-batch cross-entropy as loss_fn (Megatron's normalisation)
 
-Stock Megatron runs on CPU through tests/megatron_cpu_shim.py (test/benchmark only) with the p2p
+Stock Megatron runs on CPU through tests/support/megatron_cpu_shim.py (test/benchmark only) with the p2p
 configuration Megatron-LM uses for interleaving (overlap_p2p_comm=True, batch_p2p_comm=False).
 
 A step is: zero grads, the schedule's forward-backward over M micro-batches, the tied-embedding gradient
@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # tests/megatron_cpu_shim.py lives in the repository, not in the package
+if str(REPO) not in sys.path:  # tests/support/megatron_cpu_shim.py lives in the repository, not in the package
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
@@ -221,7 +221,7 @@ def _megatron_variant(args, pp: int, vp: int, m: int, name: str) -> Variant:
 
     from megatron_bfpp.data import gpt_forward_step
     from megatron_bfpp.runtime import get_forward_backward_func
-    from tests.megatron_cpu_shim import stock_schedules_on_cpu
+    from tests.support.megatron_cpu_shim import stock_schedules_on_cpu
 
     chunks = _chunks(args, pp, vp)
     opt = _adam(args, chunks)

@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU_SHIM = ROOT / "tests" / "cpu_shim"
+CPU_SHIM = ROOT / "tests" / "support" / "cpu_shim"
 
 # name -> (layers, hidden, heads, seq, tp, pp, layers per virtual stage, global batch); shapes as scripts/slurm/.
 MODELS: dict[str, tuple[int, int, int, int, int, int, int, int]] = {
@@ -87,7 +87,7 @@ FIELD_RE = {
 }
 # "Same model" tolerances, relative, per logged iteration: bf16 (reduction order only at iteration 1; later the
 # optimizer carries the differences forward, as in scripts/gpu_check.py) and fp32 (--cpu-smoke: the plugin matches
-# stock Megatron-LM to 1e-5 in tests/test_pretrain_gpt.py; 1e-4 leaves room for 2-process gloo reductions).
+# stock Megatron-LM to 1e-5 in tests/megatron_lm/test_pretrain_gpt.py; 1e-4 leaves room for 2-process gloo reductions).
 BF16_RTOL = {"first": 5e-3, "all": 2e-2}
 FP32_RTOL = {"first": 1e-4, "all": 1e-4}
 # The plugin's line, once per model chunk on rank 0, for split-backward schedules.
@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parse-only", action="store_true", help="only parse the logs already in --out (ab_runs.json)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="the real path on CPU: tiny GPT, 2 gloo processes, mock data, fp32, a few iterations, through "
-                        "the test-only CPU shim (tests/cpu_shim)")
+                        "the test-only CPU shim (tests/support/cpu_shim)")
     p.add_argument("extra", nargs="*", help="extra Megatron flags for every variant (after --)")
     return p
 

@@ -21,7 +21,8 @@ if [ "${1:-}" = "--fast" ]; then
   SELECT=(-m unit)
 fi
 echo "MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-<unset: the Megatron-LM checkout tests skip>}"
-python -m pytest -q -rs --durations=15 "${SELECT[@]}" "$@" tests
+# No path given: pyproject.toml's testpaths (tests/).
+python -m pytest -q -rs --durations=15 "${SELECT[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "error: no tests ran" >&2; exit 1; fi
 exit "$rc"

@@ -2,7 +2,9 @@
 
 Tiers (markers registered in pyproject.toml) follow from the fixtures a test uses, never from hand-written marks:
 a test that uses `run_distributed` (gloo jobs) or `subprocesses` (torchrun, CLI and script runs) is `distributed`;
-one that uses a Megatron-LM checkout (`mlm`, `mlm016`) is `megatron_lm`; every other test is `unit`. A unit test
+one that uses a Megatron-LM checkout (`mlm`, `mlm016`, `megatron_lm_checkout`) is `megatron_lm`; every other test is
+`unit`. The folders show what a module mostly needs (tests/unit, tests/distributed, tests/megatron_lm; shared code
+in tests/support); the markers are exact, test by test. A unit test
 cannot start a process: the guard below fails it, naming the fixture to use, so the tiers cannot drift. The unit
 tier also fails a test whose call uses more than BFPP_UNIT_TEST_SECONDS CPU seconds (default 5).
 
@@ -20,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.paths import IMPORT_GUARD, ROOT
+from tests.support.paths import IMPORT_GUARD, ROOT
 
 # Every process the tests start imports this clone's `megatron_bfpp` (a shared venv's editable install may
-# point at another clone): the clone goes first on PYTHONPATH, and `tests/import_guard` stops any process that
+# point at another clone): the clone goes first on PYTHONPATH, and `tests/support/import_guard` stops any process that
 # would import it from elsewhere.
 os.environ["MEGATRON_BFPP_TEST_ROOT"] = str(ROOT)
 _rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(ROOT), str(IMPORT_GUARD))]
@@ -66,6 +68,7 @@ TIER_OF_FIXTURE = {
     "subprocesses": "distributed",
     "mlm": "megatron_lm",
     "mlm016": "megatron_lm",
+    "megatron_lm_checkout": "megatron_lm",
 }
 UNIT_SECONDS = float(os.environ.get("BFPP_UNIT_TEST_SECONDS", "5"))
 _CPU_SECONDS = pytest.StashKey[float]()
@@ -73,8 +76,8 @@ _CPU_SECONDS = pytest.StashKey[float]()
 
 @pytest.fixture(scope="session")
 def run_distributed():
-    """Runs fn(rank, world, *args) on `world` spawned gloo processes (tests.distributed.run_distributed)."""
-    from tests.distributed import run_distributed as run
+    """Runs fn(rank, world, *args) on `world` spawned gloo processes (tests.support.distributed.run_distributed)."""
+    from tests.support.distributed import run_distributed as run
 
     return run
 

@@ -138,8 +138,9 @@ class Driver:
     def env(self, megatron: bool = False) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "TORCHELASTIC", "BFPP_"))}
         paths = [str(self.site)]
-        if megatron and self.device == "cpu":  # Megatron-LM's training loop on CPU: the test shim (tests/cpu_shim)
-            paths.append(str(self.root / "tests" / "cpu_shim"))
+        # Megatron-LM's training loop on CPU: the test shim (tests/support/cpu_shim)
+        if megatron and self.device == "cpu":
+            paths.append(str(self.root / "tests" / "support" / "cpu_shim"))
             env["BFPP_CPU_SHIM"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(paths)
         env.update(CUDA_DEVICE_MAX_CONNECTIONS="1", NCCL_DEBUG="WARN",

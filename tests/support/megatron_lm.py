@@ -1,8 +1,8 @@
 """Megatron-LM's `pretrain_gpt.py` under torchrun on CPU (gloo, the test shim): the runner, its cache and the
 comparisons every Megatron-LM test shares.
 
-Each run is `torchrun --nproc-per-node N tests/pretrain_runner.py [--launch] pretrain_gpt.py ...` with
-`PYTHONPATH=tests/cpu_shim BFPP_CPU_SHIM=1`; the runner records `training_log`'s arguments at full precision
+Each run is `torchrun --nproc-per-node N tests/support/pretrain_runner.py [--launch] pretrain_gpt.py ...` with
+`PYTHONPATH=tests/support/cpu_shim BFPP_CPU_SHIM=1`; the runner records `training_log`'s arguments at full precision
 (Megatron prints the grad norm with three decimals) and the log lines are parsed too. One `Runner` per checkout
 per test session (the `mlm` / `mlm016` fixtures in tests/conftest.py): a configuration's run, the stock reference
 included, is computed once and shared by every test that asks for it.
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.paths import ROOT, megatron_lm_dir, subprocess_pythonpath
+from tests.support.paths import ROOT, megatron_lm_dir, subprocess_pythonpath
 
-SHIM = ROOT / "tests" / "cpu_shim"
-RUNNER = ROOT / "tests" / "pretrain_runner.py"
+SHIM = ROOT / "tests" / "support" / "cpu_shim"
+RUNNER = ROOT / "tests" / "support" / "pretrain_runner.py"
 MEGATRON_LM_DIR = megatron_lm_dir()
 RTOL = 1e-5
 
@@ -242,3 +242,12 @@ CHECK = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "8",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--train-iters", "4", "--lr", "1e-3",
          "--mock-data", *P2V2, "--pipeline-schedule", "breadth-first"]
+
+
+# An 8-layer GPT at P = 4 for the argument checks and the script runs that stop at Megatron's CUDA requirement.
+P4_TINY = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+           "--max-position-embeddings", "32", "--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer",
+           "--vocab-size", "128", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
+           "--pipeline-model-parallel-size", "4"]
+P4_VIRTUAL = ["--num-layers-per-virtual-pipeline-stage", "1"]  # 8 layers / P=4 -> V = 2
+P4_WORLD = 8  # P=4 -> data-parallel size 2

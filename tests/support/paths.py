@@ -1,0 +1,25 @@
+"""Where the clone under test is, and the PYTHONPATH its subprocesses get (the clone first)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+IMPORT_GUARD = ROOT / "tests" / "support" / "import_guard"
+
+
+def subprocess_pythonpath(*extra: str) -> str:
+    """A PYTHONPATH for a subprocess that needs `extra` entries (a shim, a checkout): the clone comes first, and
+    the import guard last (a shim's `sitecustomize` shadows the guard's and runs it)."""
+    return os.pathsep.join([str(ROOT), *extra, str(IMPORT_GUARD)])
+
+
+def megatron_lm_dir() -> str | None:
+    """The Megatron-LM checkout for the checkout tests: $MEGATRON_LM_DIR, else ../shared/megatron-lm/core_v0.19.0
+    beside the clone when it holds pretrain_gpt.py (what scripts/test.sh and .ci/run export), else None."""
+    explicit = os.environ.get("MEGATRON_LM_DIR")
+    if explicit:
+        return explicit
+    beside = ROOT.parent / "shared" / "megatron-lm" / "core_v0.19.0"
+    return str(beside) if (beside / "pretrain_gpt.py").is_file() else None
