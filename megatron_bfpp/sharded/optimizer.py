@@ -65,6 +65,35 @@ def default_param_groups(chunks: Sequence[torch.nn.Module], config: Any) -> list
     return groups
 
 
+def megatron_adam_group_defaults(config: Any, device: torch.device | str = "cpu") -> dict:
+    """The hyper-parameters the Adam stock Megatron builds for `config` puts into every parameter group
+    (megatron/core/optimizer/__init__.py, `_get_megatron_optimizer_based_on_param_groups`): torch's AdamW, or
+    Adam without --decoupled-weight-decay, where TransformerEngine and Apex are missing, else their FusedAdam
+    (`adam_w_mode`), built with Megatron's arguments on a placeholder parameter, so that the keys and values are
+    those of the installed optimizer (torch's `lr`, `betas`, `eps`, `weight_decay`, `amsgrad`, `maximize`,
+    `foreach`, `capturable`, `differentiable`, `fused`, `decoupled_weight_decay`, as its version has them).
+    Saved with the groups, they are what stock's Adam reads at its first step after loading the checkpoint."""
+    from megatron.core import optimizer as megatron_optimizer
+
+    decoupled = getattr(config, "decoupled_weight_decay", True)
+    kwargs: dict[str, Any] = {
+        "lr": config.lr,
+        "weight_decay": config.weight_decay,
+        "betas": (getattr(config, "adam_beta1", 0.9), getattr(config, "adam_beta2", 0.999)),
+        "eps": getattr(config, "adam_eps", 1e-8),
+    }
+    if hasattr(config, "optimizer_cuda_graph"):
+        kwargs["capturable"] = config.optimizer_cuda_graph
+    if getattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", True):
+        adam_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    else:
+        adam_cls = megatron_optimizer.Adam
+        kwargs["adam_w_mode"] = decoupled
+    placeholder = torch.nn.Parameter(torch.zeros(1, device=device))
+    group = adam_cls([placeholder], **kwargs).param_groups[0]
+    return {k: v for k, v in group.items() if k not in _GROUP_KEYS_NOT_SAVED}
+
+
 def _is_tp_duplicate(p: torch.nn.Parameter, tp_group, expert_tp_group=None) -> bool:
     """Megatron's `param_is_not_tensor_parallel_duplicate`, negated: expert-parallel parameters are filtered over
     the expert-tensor-parallel group."""
@@ -116,11 +145,17 @@ class ShardedOptimizer(MegatronOptimizer):
             g.setdefault("min_lr", getattr(config, "min_lr", None))
             g.setdefault("lr", g["max_lr"] if g["max_lr"] is not None else config.lr)
             g.setdefault("weight_decay", config.weight_decay * g["wd_mult"])
+        self.device = self.chunks[0].flat_buffers[0].pbuf.device if self.chunks[0].flat_buffers else (
+            next(self.chunks[0].parameters()).device)
+        # The rest of what the groups of stock Megatron's Adam hold (`betas`, `eps`, ...): saved with them, so that
+        # stock Megatron resumes from a checkpoint of a run that started here.
+        adam_defaults = megatron_adam_group_defaults(config, self.device)
+        for g in groups:
+            for k, v in adam_defaults.items():
+                g.setdefault(k, v)
         super().__init__(_OptimizerView(groups), config)
         self.is_stub_optimizer = False
         self.stats = link_stats(self.chunks)
-        self.device = self.chunks[0].flat_buffers[0].pbuf.device if self.chunks[0].flat_buffers else (
-            next(self.chunks[0].parameters()).device)
         self.grad_scaler: ConstantGradScaler | None = make_grad_scaler(config, self.device)
         self._scale_one = torch.ones(1, dtype=torch.float32, device=self.device)
         first = self.chunks[0]

@@ -8,6 +8,7 @@ iteration checks the weights, the second the Adam moments and step, the bf16 run
 (which differ from the bf16 weights in the checkpoint).
 
 - fp32, V = 2: plain optimizer (FP32Optimizer) -> breadth-first ZeRO-3 -> plain optimizer
+- fp32, V = 2: breadth-first ZeRO-3 from scratch -> plain optimizer (the parameter groups it saves are all its own)
 - fp32, V = 2, untied embeddings: distributed optimizer (--dist-ckpt-optim-fully-reshardable) -> interleaved-zb
   ZeRO-3 (whose checkpoint is checked against the distributed optimizer's format), and -> breadth-first ZeRO-1
 - bf16, V = 2: plain optimizer (Float16OptimizerWithFloat16Params) -> interleaved-zb ZeRO-2 -> plain optimizer
@@ -108,6 +109,24 @@ def test_stock_plain_optimizer_zero3_stock_round_trip(mlm: Runner, ckpts: Path) 
     _assert_resumed(zero3, ref, [3, 4])
     back = _resume(mlm, "stock", P2V2, ckpts / "plain-zero3", [5, 6])
     _assert_resumed(back, ref, [5, 6])
+
+
+@needs_checkout
+@pytest.mark.timeout(900)
+def test_zero3_from_scratch_checkpoint_resumes_in_stock(mlm: Runner, ckpts: Path) -> None:
+    """Breadth-first ZeRO-3 trains from scratch (iterations 1-2 equal the uninterrupted stock run) and saves at 2;
+    stock (FP32Optimizer) resumes from it (3-4) with the uninterrupted run's iterations. Nothing in that
+    checkpoint came from stock: its parameter groups must carry every hyper-parameter of the Adam stock builds
+    (without them stock's first step fails with KeyError: 'betas')."""
+    ref = _stock(mlm, ckpts, "plain", P2V2)
+    save = ckpts / "zero3-from-scratch"
+    zero3 = mlm.run("patched", TINY + P2V2 + ["--pipeline-schedule", "breadth-first", "--zero-stage", "3"] + SIX
+                    + ["--exit-interval", "2"] + _every_2(save))
+    assert "megatron_bfpp: installed pipeline schedule breadth-first" in zero3.output
+    assert_same_training(zero3, ref, iterations=[1, 2])
+    assert (save / "iter_0000002").is_dir(), _tail(zero3.output)
+    back = _resume(mlm, "stock", P2V2, save, [3, 4])
+    _assert_resumed(back, ref, [3, 4])
 
 
 @needs_checkout
