@@ -164,10 +164,13 @@ class _ProcessGuard:
 
     def __enter__(self) -> "_ProcessGuard":
         import _posixsubprocess
+        import multiprocessing.popen_forkserver
         import subprocess
 
         # subprocess binds fork_exec at import; multiprocessing's spawn looks it up on _posixsubprocess.
-        for module, name in ((subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec"), (os, "fork"), (os, "system"), (os, "posix_spawn"),
+        # A forkserver already running forks for us without this process calling fork: its launch is guarded too.
+        for module, name in ((subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec"), (os, "fork"),
+                             (multiprocessing.popen_forkserver.Popen, "_launch"), (os, "system"), (os, "posix_spawn"),
                              (os, "posix_spawnp")):
             if hasattr(module, name):
                 original = getattr(module, name)
