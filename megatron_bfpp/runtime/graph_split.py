@@ -37,6 +37,39 @@ class WeightGroup:
     intermediates: list[Node]
     cut: list[Node]  # input-path nodes below the intermediates (not intermediates of the group): fed nothing at W
     grads: list[tuple[torch.Tensor | None, ...] | None]  # per intermediate, the gradient it got at I
+    # Older torch only (see _python_nodes_own_their_graph): a view of the stage output that owns its graph, shared
+    # by the chunk's groups, so the graph lives until the last of them is dropped.
+    anchor: torch.Tensor | None = None
+
+
+_PYTHON_NODES_OWN_THEIR_GRAPH: bool | None = None
+
+
+def _python_nodes_own_their_graph() -> bool:
+    """Whether the Python object of a custom autograd.Function's node keeps that node alive. Newer torch (the
+    2.14 of requirements.txt; PyTorch #179924) holds an owning pointer; older torch (the 2.10 floor included) holds
+    a weak one, so a custom-Function node kept only from Python (a group's intermediate, e.g. Megatron's linear
+    layers) is freed with the graph once the output is detached, and W fails ("Attribute 'register_prehook' is
+    invalid for this instance of _C._FunctionBase"). Probed once, on a one-element graph."""
+    global _PYTHON_NODES_OWN_THEIR_GRAPH
+    if _PYTHON_NODES_OWN_THEIR_GRAPH is None:
+        class _Probe(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad
+
+        with torch.enable_grad():
+            node = _Probe.apply(torch.zeros(1, requires_grad=True)).grad_fn  # the output is dropped here
+        try:
+            node.next_functions
+            _PYTHON_NODES_OWN_THEIR_GRAPH = True
+        except RuntimeError:
+            _PYTHON_NODES_OWN_THEIR_GRAPH = False
+    return _PYTHON_NODES_OWN_THEIR_GRAPH
 
 
 def input_grad(input_tensor: torch.Tensor, output: torch.Tensor, output_grad: torch.Tensor | None,
@@ -64,6 +97,14 @@ def input_grad(input_tensor: torch.Tensor, output: torch.Tensor, output_grad: to
     finally:
         for h in handles:
             h.remove()
+    if groups and not _python_nodes_own_their_graph():
+        # Older torch: the groups' custom-Function nodes would die with the output's graph. A view of the output
+        # (its node is a C++ one, which owns its inputs) keeps the graph until W has dropped every group: exact,
+        # the graph is only freed at the end of the chunk's W instead of group by group.
+        with torch.enable_grad():
+            anchor = output.view_as(output)
+        for group in groups:
+            group.anchor = anchor
     output.detach_()  # the graph stays reachable from the groups only, so it is freed as W drops them
     return dinput, groups
 
