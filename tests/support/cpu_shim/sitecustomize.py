@@ -19,7 +19,8 @@ except the dataset helpers' build step:
   `param.grad.type() == 'torch.cuda.FloatTensor'`), and gives `Tensor.numpy()` a copy, as the host copy of a
   CUDA tensor would be (numpy sharing a storage makes it non-resizable, which code that frees storage between
   uses relies on);
-- CUDA streams and events are no-ops (`Stream`, `stream`, `current_stream`, `set_stream`, `Event`);
+- CUDA streams and events are no-ops (`Stream`, `stream`, `current_stream`, `set_stream`, `Event`), and no
+  stream is ever capturing a graph (`is_current_stream_capturing`);
 - `torch.accelerator.is_available` is False (no pinned memory); `TORCHDYNAMO_DISABLE=1` (torch.compile'd
   helpers run eagerly);
 - `megatron.core.datasets.utils.compile_helpers` does nothing and `megatron.core.datasets.helpers_cpp` falls
@@ -140,9 +141,13 @@ if os.environ.get("BFPP_CPU_SHIM") == "1":
         "default_stream": lambda device=None: _Stream(),
         "set_stream": lambda stream: None,
         "stream": lambda stream=None: contextlib.nullcontext(stream),
+        # Older torch's optimizers (the 2.10 floor's too) ask it every step (Optimizer._cuda_graph_capture_health_check, when
+        # torch.cuda.is_available(); newer torch asks torch.accelerator): no graph is ever captured here.
+        "is_current_stream_capturing": lambda: False,
     }
     for _name, _value in _answers.items():
         setattr(torch.cuda, _name, _value)
+    torch.cuda.graphs.is_current_stream_capturing = _answers["is_current_stream_capturing"]
     for _name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all"):
         setattr(torch.cuda.random, _name, _answers[_name])
     torch.accelerator.is_available = lambda: False
