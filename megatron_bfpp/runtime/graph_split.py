@@ -45,7 +45,7 @@ class WeightGroup:
 _PYTHON_NODES_OWN_THEIR_GRAPH: bool | None = None
 
 
-def _python_nodes_own_their_graph() -> bool:
+def _python_nodes_own_their_graph(device: torch.device) -> bool:
     """Whether the Python object of a custom autograd.Function's node keeps that node alive. Newer torch (the
     2.14 of requirements.txt; PyTorch #179924) holds an owning pointer; older torch (the 2.10 floor included) holds
     a weak one, so a custom-Function node kept only from Python (a group's intermediate, e.g. Megatron's linear
@@ -63,7 +63,7 @@ def _python_nodes_own_their_graph() -> bool:
                 return grad
 
         with torch.enable_grad():
-            node = _Probe.apply(torch.zeros(1, requires_grad=True)).grad_fn  # the output is dropped here
+            node = _Probe.apply(torch.zeros(1, device=device, requires_grad=True)).grad_fn  # output dropped here
         try:
             node.next_functions
             _PYTHON_NODES_OWN_THEIR_GRAPH = True
@@ -97,7 +97,7 @@ def input_grad(input_tensor: torch.Tensor, output: torch.Tensor, output_grad: to
     finally:
         for h in handles:
             h.remove()
-    if groups and not _python_nodes_own_their_graph():
+    if groups and not _python_nodes_own_their_graph(output.device):
         # Older torch: the groups' custom-Function nodes would die with the output's graph. A view of the output
         # (its node is a C++ one, which owns its inputs) keeps the graph until W has dropped every group: exact,
         # the graph is only freed at the end of the chunk's W instead of group by group.
