@@ -211,7 +211,37 @@ class _Linear(torch.autograd.Function):
         return wgrad, dgrad, grad_bias, None
 
 
-class DelayedWgradLinear(torch.nn.Module):
+class _DelayedWgradModule(torch.nn.Module):
+    """What TransformerEngine's layers share (module/base.py TransformerEngineBaseModule): the weight-gradient
+    store, the hooks run after backward_dw, and backward_dw's guard; each layer says how it applies what it
+    popped (`_apply_popped`)."""
+
+    def _init_delayed_wgrads(self, delay_wgrad_compute: bool, version: str, delayed_names: set[str]) -> None:
+        self.wgrad_store = WeightGradStore(delay_wgrad_compute)
+        self.wgrad_accumulation_and_reduce_hooks: list = []
+        self.backward_dw_calls = 0
+        # __init__: "if self.wgrad_store.delay_wgrad_compute(): ... param.skip_backward_post_hook = True"
+        if self.wgrad_store.delay_wgrad_compute():
+            for name, param in self.named_parameters():
+                if name in delayed_names:
+                    param.skip_backward_post_hook = True
+        if version == "2.10":  # need_backward_dw() exists from 2.10 on
+            self.need_backward_dw = self.wgrad_store.delay_wgrad_compute
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
+        self.wgrad_accumulation_and_reduce_hooks.append(hook)
+
+    def backward_dw(self) -> None:
+        """module/base.py TransformerEngineBaseModule.backward_dw of the band."""
+        if not self.wgrad_store.delay_wgrad_compute():  # >= 2.10: `if not self.need_backward_dw()`, the same
+            return
+        self.backward_dw_calls += 1
+        self._apply_popped(*self.wgrad_store.pop())
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
+
+
+class DelayedWgradLinear(_DelayedWgradModule):
     """TransformerEngine's Linear (one weight, one bias) at a version band, with `return_bias` (Megatron's
     te_return_bias: the bias is returned for the caller to add, so its gradient flows through autograd at I) and
     `fp8` (the bias gradient at I, see _Linear)."""
@@ -225,30 +255,14 @@ class DelayedWgradLinear(torch.nn.Module):
         self.fuse_wgrad_accumulation, self.return_bias, self.fp8 = fuse_wgrad_accumulation, return_bias, fp8
         self.use_bias, self.apply_bias = True, not return_bias
         self.weight_names, self.bias_names = ["weight"], ["bias"]
-        self.wgrad_store = WeightGradStore(delay_wgrad_compute)
-        self.wgrad_accumulation_and_reduce_hooks: list = []
-        self.backward_dw_calls = 0
-        # Linear.__init__: "if self.wgrad_store.delay_wgrad_compute(): ... param.skip_backward_post_hook = True"
-        if self.wgrad_store.delay_wgrad_compute():
-            for name, param in self.named_parameters():
-                if name in self.weight_names or name in self.bias_names:
-                    param.skip_backward_post_hook = True
-        if version == "2.10":  # need_backward_dw() exists from 2.10 on
-            self.need_backward_dw = self.wgrad_store.delay_wgrad_compute
+        self._init_delayed_wgrads(delay_wgrad_compute, version, {*self.weight_names, *self.bias_names})
 
     def forward(self, x):
         out = _Linear.apply(self.weight, x, self.bias if self.apply_bias else None, self)
         return (out, self.bias) if self.return_bias else out  # Linear.forward: "if self.return_bias: ..."
 
-    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
-        self.wgrad_accumulation_and_reduce_hooks.append(hook)
-
-    def backward_dw(self) -> None:
-        """module/base.py TransformerEngineBaseModule.backward_dw of the band."""
-        if not self.wgrad_store.delay_wgrad_compute():  # >= 2.10: `if not self.need_backward_dw()`, the same
-            return
-        self.backward_dw_calls += 1
-        (wgrad, bgrad), _ = self.wgrad_store.pop()
+    def _apply_popped(self, grads, _) -> None:
+        wgrad, bgrad = grads
         if not self.fuse_wgrad_accumulation:
             if self.version == "2.7":  # 2.7: "if weight_tensor.grad is None: weight_tensor.grad = wgrad.to(...)"
                 if self.weight.grad is None:
@@ -258,9 +272,6 @@ class DelayedWgradLinear(torch.nn.Module):
         if self.use_bias:
             if self.bias.grad is None:  # all bands; AttributeError when bgrad is None, as TransformerEngine's
                 self.bias.grad = bgrad.to(self.bias.dtype)
-        del wgrad, bgrad
-        for hook in self.wgrad_accumulation_and_reduce_hooks:
-            hook()
 
 
 class DelayedWgradToyStage(_MegatronToyStage):
@@ -366,7 +377,7 @@ class _GroupedLinear(torch.autograd.Function):
         return (dgrad, None, *wgrad_list, *(grad_biases if m.use_bias else []))
 
 
-class DelayedWgradGroupedLinear(torch.nn.Module):
+class DelayedWgradGroupedLinear(_DelayedWgradModule):
     """TransformerEngine's GroupedLinear (`weight{i}`, `bias{i}` per expert) at a version band."""
 
     def __init__(self, weights: list, biases: list | None, m_splits: list[int], delay_wgrad_compute: bool = True,
@@ -380,16 +391,8 @@ class DelayedWgradGroupedLinear(torch.nn.Module):
             self.register_parameter(f"weight{i}", torch.nn.Parameter(w.detach().clone()))
             if biases is not None:
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(biases[i].detach().clone()))
-        self.wgrad_store = WeightGradStore(delay_wgrad_compute)
-        self.wgrad_accumulation_and_reduce_hooks: list = []
-        self.backward_dw_calls = 0
-        if self.wgrad_store.delay_wgrad_compute():
-            for name, param in self.named_parameters():
-                for i in range(self.num_gemms):
-                    if name in (f"weight{i}", f"bias{i}"):
-                        param.skip_backward_post_hook = True
-        if version == "2.10":
-            self.need_backward_dw = self.wgrad_store.delay_wgrad_compute
+        self._init_delayed_wgrads(delay_wgrad_compute, version,
+                                  {f"{kind}{i}" for kind in ("weight", "bias") for i in range(self.num_gemms)})
 
     def weights(self) -> list:
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
@@ -398,14 +401,8 @@ class DelayedWgradGroupedLinear(torch.nn.Module):
         biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
         return _GroupedLinear.apply(x, self, *self.weights(), *biases)
 
-    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
-        self.wgrad_accumulation_and_reduce_hooks.append(hook)
-
-    def backward_dw(self) -> None:
-        if not self.wgrad_store.delay_wgrad_compute():  # >= 2.10: `if not self.need_backward_dw()`, the same
-            return
-        self.backward_dw_calls += 1
-        (_, grad_biases_, _), tensor_list = self.wgrad_store.pop()
+    def _apply_popped(self, grads, tensor_list) -> None:
+        _, grad_biases_, _ = grads
         wgrad_list = tensor_list[2]
         if not self.fuse_wgrad_accumulation:
             for w, wgrad in zip(self.weights(), wgrad_list):
@@ -416,9 +413,6 @@ class DelayedWgradGroupedLinear(torch.nn.Module):
                 bias = getattr(self, f"bias{i}")
                 if bias.grad is None:
                     bias.grad = grad_biases_[i].to(bias.dtype)
-        del grad_biases_, wgrad_list, tensor_list
-        for hook in self.wgrad_accumulation_and_reduce_hooks:
-            hook()
 
 
 def expert_tensors(stage: int, seed: int = 0) -> tuple[list, list]:
