@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.distributed import free_port
 from tests.support.paths import ROOT, megatron_lm_dir, subprocess_pythonpath
 
 SHIM = ROOT / "tests" / "support" / "cpu_shim"
@@ -117,7 +118,7 @@ class Runner:
         record = self.workdir / f"{name}.jsonl"
         script = (self.patched if mode == "patched" else self.original) / "pretrain_gpt.py"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(_free_port()), str(RUNNER)]
+               str(free_port()), str(RUNNER)]
         cmd += (["--launch"] if mode == "launch" else []) + [str(script), *args]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("BFPP_", "MASTER_", "TORCHELASTIC"))}
         env.update(PYTHONPATH=subprocess_pythonpath(str(SHIM)), BFPP_CPU_SHIM="1", BFPP_PRETRAIN_RECORD=str(record),
@@ -134,14 +135,6 @@ class Runner:
         _parse(run)
         self.cache[key] = run
         return run
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tail(text: str, n: int = 60) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 
 from megatron_bfpp import data, model as mm, parallel
 from megatron_bfpp.reference import ReferenceModel, run_reference
+from tests.support.distributed import free_port
 
 VOCAB, SEQ, SEED = 64, 16, 11
 
@@ -382,12 +382,6 @@ def test_reference_adam_steps_match_a_hand_rolled_loop(opt_name, wd, clip):
 
 
 # ----------------------------------------------------------------------------------- process groups (4 ranks)
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -443,7 +437,7 @@ def _groups_check() -> dict:
 
 @pytest.mark.timeout(240)
 def test_groups_on_four_gloo_processes(run_distributed):  # its own forkserver job: the fixture sets the tier
-    world, port = 4, _free_port()
+    world, port = 4, free_port()
     # forkserver with this module preloaded: Megatron is imported once, not by each of the 4 ranks
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
