@@ -47,6 +47,11 @@ def pytest_sessionstart(session) -> None:
         raise pytest.UsageError(f"megatron_bfpp imported from {found}, not from the clone under test ({ROOT})")
 
 
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if "tests.support.distributed" in sys.modules:
+        sys.modules["tests.support.distributed"].close_servers()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _close_process_groups_after_module():
     yield
@@ -105,6 +110,7 @@ def mlm(subprocesses, tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(f"Megatron-LM at {original} cannot be imported here: it needs {missing!r}")
     runner = make_runner(original, tmp_path_factory.mktemp("pretrain_gpt"))
     yield runner
+    runner.close()
     print(f"\n[pretrain_gpt] {runner.count} runs, logs in {runner.workdir}")
 
 
@@ -121,7 +127,9 @@ def mlm016(subprocesses, tmp_path_factory: pytest.TempPathFactory):
     if missing:
         pytest.skip(f"Megatron-LM core_v0.16.1 cannot be imported here: it needs {missing!r} "
                     "(requirements.txt installs six, regex, pyyaml and pydantic for it)")
-    return make_runner(original, tmp_path_factory.mktemp("pretrain_gpt_016"))
+    runner = make_runner(original, tmp_path_factory.mktemp("pretrain_gpt_016"))
+    yield runner
+    runner.close()
 
 
 def tiers_of(item: pytest.Item) -> set[str]:

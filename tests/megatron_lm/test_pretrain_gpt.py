@@ -6,8 +6,9 @@ fp32, rtol 1e-5. Runs use MEGATRON_LM_DIR (the tests skip when it is unset) and 
 patched with our series (`pretrain_gpt.py` gains the flags) and the original, run unmodified through
 `python -m megatron_bfpp.run_megatron_script`. Stock runs use the original script as it is.
 
-Each run is `torchrun --nproc-per-node N tests/support/pretrain_runner.py [--launch] pretrain_gpt.py ...` with
-`PYTHONPATH=tests/support/cpu_shim BFPP_CPU_SHIM=1`; the runner records `training_log`'s arguments at full precision
+Each run is `tests/support/pretrain_runner.py [--launch] pretrain_gpt.py ...` on N ranks with
+`PYTHONPATH=tests/support/cpu_shim BFPP_CPU_SHIM=1`, forked with torchrun's environment from servers that imported
+Megatron once per session (`test_forked_ranks_train_as_under_torchrun` runs the same under torchrun); the runner records `training_log`'s arguments at full precision
 (Megatron prints the grad norm with three decimals) and the log lines are parsed too (tests/support/megatron_lm.py).
 Runs are cached per session (the `mlm` fixture) so every case and module shares one stock reference.
 """
@@ -61,6 +62,20 @@ def test_breadth_first_matches_stock(mlm: Runner, case: str) -> None:
     zeros = {r["num_zeros"] for r in run.records}
     assert zeros == {None}, f"num zeros logged without --log-num-zeros-in-grad: {zeros}"
     assert all(v["num zeros"] is None for v in run.log.values())
+
+
+@needs_checkout
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode,extra", [("stock", []), ("patched", BREADTH_FIRST["bf-zero3"])], ids=["stock", "bf-zero3"])
+def test_forked_ranks_train_as_under_torchrun(mlm: Runner, mode: str, extra: list[str]) -> None:
+    """The runs of these tests fork their ranks from preloaded servers (tests/support/forkserver.py); started by
+    torchrun itself, as users start them, the same run trains bit for bit the same."""
+    args = TINY + P2V2 + (["--pipeline-schedule", "breadth-first", *extra] if mode == "patched" else [])
+    real = mlm.run(mode, args, launcher="torchrun")
+    forked = mlm.run(mode, args)
+    assert "torch.distributed.run" in (mlm.workdir / f"{real.name}.log").read_text().splitlines()[0]
+    assert real.records and real.by_iteration() == forked.by_iteration()
+    assert real.log == forked.log and real.validation == forked.validation
 
 
 @needs_checkout

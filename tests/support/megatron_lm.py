@@ -1,8 +1,9 @@
-"""Megatron-LM's `pretrain_gpt.py` under torchrun on CPU (gloo, the test shim): the runner, its cache and the
+"""Megatron-LM's `pretrain_gpt.py` on CPU ranks (gloo, the test shim): the runner, its cache and the
 comparisons every Megatron-LM test shares.
 
-Each run is `torchrun --nproc-per-node N tests/support/pretrain_runner.py [--launch] pretrain_gpt.py ...` with
-`PYTHONPATH=tests/support/cpu_shim BFPP_CPU_SHIM=1`; the runner records `training_log`'s arguments at full precision
+Each run is `tests/support/pretrain_runner.py [--launch] pretrain_gpt.py ...` on N ranks with
+`PYTHONPATH=tests/support/cpu_shim BFPP_CPU_SHIM=1`, forked with torchrun's environment from servers that imported
+Megatron once (or under torchrun itself, `launcher="torchrun"`); the runner records `training_log`'s arguments at full precision
 (Megatron prints the grad norm with three decimals) and the log lines are parsed too. One `Runner` per checkout
 per test session (the `mlm` / `mlm016` fixtures in tests/conftest.py): a configuration's run, the stock reference
 included, is computed once and shared by every test that asks for it.
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.distributed import free_port
+from tests.support.forkserver import ForkServers, Job
 from tests.support.paths import ROOT, megatron_lm_dir, subprocess_pythonpath
 
 SHIM = ROOT / "tests" / "support" / "cpu_shim"
@@ -97,44 +99,113 @@ def _parse(run: Run) -> None:
             run.validation[int(m.group(1))] = float(m.group(2))
 
 
+# What a rank of each kind of run imports before it trains, preloaded once per session by its fork servers. A
+# stock run never imports the plugin.
+MEGATRON_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.training",
+                    "megatron.training.training", "megatron.training.arguments", "megatron.training.initialize"]
+PLUGIN_PRELOAD = ["megatron_bfpp", "megatron_bfpp.megatron", "megatron_bfpp.runtime", "megatron_bfpp.sharded",
+                  "megatron_bfpp.run_megatron_script"]
+# Every run's environment (on top of the test session's): the CPU shim, as each torchrun rank under it sees it.
+RUN_ENV = {"BFPP_CPU_SHIM": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore", "TORCHDYNAMO_DISABLE": "1"}
+
+
+def torchrun_env(rank: int, world: int, port: int, run_id: str) -> dict[str, str]:
+    """The variables torchrun's agent sets for each local worker of a one-node job
+    (torch/distributed/elastic/agent/server/local_elastic_agent.py); no agent hosts the store here, so rank 0
+    does (TORCHELASTIC_USE_AGENT_STORE=False)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(world), "WORLD_SIZE": str(world),
+            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
 class Runner:
-    """Starts (and caches) pretrain_gpt.py runs on a checkout: stock, patched, or through the script runner."""
+    """Starts (and caches) pretrain_gpt.py runs on a checkout: stock, patched, or through the script runner.
+
+    Each run's ranks are forked from fork servers (tests/support/forkserver.py) that imported torch and the
+    checkout's Megatron once per session, with torchrun's environment per rank; one set of servers per kind of
+    run (stock: the original checkout, Megatron only; launch: the original checkout and the plugin; patched: the
+    patched copy and the plugin). `launcher="torchrun"` runs it under torchrun itself, as users do."""
 
     def __init__(self, original: Path, patched: Path, workdir: Path) -> None:
         self.original, self.patched, self.workdir = original, patched, workdir
         self.cache: dict[tuple, Run] = {}
         self.count = 0
+        self.servers: dict[str, ForkServers] = {}
+
+    def close(self) -> None:
+        for servers in self.servers.values():
+            servers.close()
+        self.servers = {}
+
+    def _env(self, record: Path, extra_env: dict[str, str] | None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("BFPP_", "MASTER_", "TORCHELASTIC"))}
+        env.update(PYTHONPATH=subprocess_pythonpath(str(SHIM)), BFPP_PRETRAIN_RECORD=str(record), **RUN_ENV,
+                   **(extra_env or {}))
+        return env
+
+    def _servers(self, mode: str) -> ForkServers:
+        if mode not in self.servers:
+            checkout = self.patched if mode == "patched" else self.original
+            preload = MEGATRON_PRELOAD + ([] if mode == "stock" else PLUGIN_PRELOAD)
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("BFPP_", "MASTER_", "TORCHELASTIC"))}
+            env.update(PYTHONPATH=subprocess_pythonpath(str(SHIM)), **RUN_ENV)
+            self.servers[mode] = ForkServers(preload, env=env, path_prepend=[str(checkout)])
+        return self.servers[mode]
 
     def run(self, mode: str, args: list[str], nproc: int = 2, expect_ok: bool = True, timeout: int = 240,
-            extra_env: dict[str, str] | None = None) -> Run:
+            extra_env: dict[str, str] | None = None, launcher: str = "forkserver") -> Run:
         """mode: 'stock' (original script, unmodified), 'patched' (our patch series) or 'launch' (original
         script through python -m megatron_bfpp.run_megatron_script). `extra_env`: extra variables for the runner
-        (e.g. its test-only fault injection, BFPP_PRETRAIN_NAN_GRAD)."""
-        key = (mode, tuple(args), nproc, expect_ok, tuple(sorted((extra_env or {}).items())))
+        (e.g. its test-only fault injection, BFPP_PRETRAIN_NAN_GRAD). `launcher`: 'forkserver' or 'torchrun'."""
+        key = (mode, tuple(args), nproc, expect_ok, tuple(sorted((extra_env or {}).items())), launcher)
         if key in self.cache:
             return self.cache[key]
         self.count += 1
         name = f"run{self.count:02d}-{mode}"
         record = self.workdir / f"{name}.jsonl"
         script = (self.patched if mode == "patched" else self.original) / "pretrain_gpt.py"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(free_port()), str(RUNNER)]
-        cmd += (["--launch"] if mode == "launch" else []) + [str(script), *args]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("BFPP_", "MASTER_", "TORCHELASTIC"))}
-        env.update(PYTHONPATH=subprocess_pythonpath(str(SHIM)), BFPP_CPU_SHIM="1", BFPP_PRETRAIN_RECORD=str(record),
-                   CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                   **(extra_env or {}))
+        argv = [str(RUNNER)] + (["--launch"] if mode == "launch" else []) + [str(script), *args]
+        env = self._env(record, extra_env)
         start = time.monotonic()
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=self.workdir, timeout=timeout)
-        run = Run(name, r.stdout + r.stderr, time.monotonic() - start, r.returncode)
-        (self.workdir / f"{name}.log").write_text(" ".join(cmd) + "\n\n" + run.output)
+        if launcher == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                   str(free_port()), *argv]
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=self.workdir, timeout=timeout)
+            output, returncode = r.stdout + r.stderr, r.returncode
+            command = " ".join(cmd)
+        else:
+            output, returncode = self._fork_run(mode, name, argv, env, nproc, timeout)
+            command = f"[{nproc} ranks forked with torchrun's environment] python " + " ".join(argv)
+        run = Run(name, output, time.monotonic() - start, returncode)
+        (self.workdir / f"{name}.log").write_text(command + "\n\n" + run.output)
         if expect_ok:
-            assert r.returncode == 0, f"{name} failed (exit {r.returncode}): {' '.join(args)}\n{_tail(run.output)}"
+            assert returncode == 0, f"{name} failed (exit {returncode}): {' '.join(args)}\n{_tail(run.output)}"
         if record.exists():
             run.records = [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
         _parse(run)
         self.cache[key] = run
         return run
+
+    def _fork_run(self, mode: str, name: str, argv: list[str], env: dict[str, str], nproc: int,
+                  timeout: int) -> tuple[str, int]:
+        """The ranks of one run, forked; their output in rank order, then torchrun's failure summary lines."""
+        port = free_port()
+        logs = [self.workdir / f"{name}.rank{r}.log" for r in range(nproc)]
+        jobs = [Job(env=dict(env, **torchrun_env(r, nproc, port, name)), cwd=str(self.workdir), log=str(logs[r]),
+                    argv=argv) for r in range(nproc)]
+        codes = self._servers(mode).run(jobs, timeout, fail_grace=5.0)
+        if any(c is None for c in codes):
+            raise AssertionError(f"{name}: ranks {[r for r, c in enumerate(codes) if c is None]} still running "
+                                 f"after {timeout} s (killed); logs: {logs}")
+        output = "".join(log.read_text(errors="replace") for log in logs if log.exists())
+        failed = [(r, c) for r, c in enumerate(codes) if c != 0]
+        for r, c in failed:
+            output += f"[forked ranks] rank {r} (local_rank: {r}) failed: exitcode: {c}\n"
+        return output, (1 if failed else 0)
 
 
 def _tail(text: str, n: int = 60) -> str:
