@@ -135,7 +135,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # -------------------------------------------------------------------------------------------------- model
 def _config(args: argparse.Namespace, pp: int, vp: int):
-    from megatron_bfpp.model import make_transformer_config
+    from megatron_bfpp.train.model import make_transformer_config
 
     return make_transformer_config(num_layers=pp * vp * args.layers_per_stage, hidden_size=args.hidden_size,
                                    num_attention_heads=args.num_attention_heads, hidden_dropout=0.0,
@@ -146,7 +146,7 @@ def _config(args: argparse.Namespace, pp: int, vp: int):
 def _chunks(args: argparse.Namespace, pp: int, vp: int) -> list[torch.nn.Module]:
     from megatron.core import parallel_state as ps
 
-    from megatron_bfpp.model import build_model_chunks
+    from megatron_bfpp.train.model import build_model_chunks
 
     return build_model_chunks(_config(args, pp, vp), vocab_size=args.vocab_size,
                               max_sequence_length=args.seq_length, pp_rank=ps.get_pipeline_model_parallel_rank(),
@@ -158,7 +158,7 @@ class StageModule(torch.nn.Module):
 
     def __init__(self, chunk: torch.nn.Module, seq_length: int) -> None:
         super().__init__()
-        from megatron_bfpp.data import causal_mask
+        from megatron_bfpp.train.data import causal_mask
 
         self.chunk = chunk
         self.mask = causal_mask(seq_length)
@@ -209,7 +209,7 @@ def _adam(args, chunks: list[torch.nn.Module]) -> torch.optim.Optimizer:
 
 
 def _finish(chunks: list[torch.nn.Module], opt: torch.optim.Optimizer) -> None:
-    from megatron_bfpp.model import allreduce_tied_embedding_grads
+    from megatron_bfpp.train.model import allreduce_tied_embedding_grads
 
     allreduce_tied_embedding_grads(chunks)
     _dp_allreduce([p for c in chunks for p in c.parameters()])
@@ -219,7 +219,7 @@ def _finish(chunks: list[torch.nn.Module], opt: torch.optim.Optimizer) -> None:
 def _megatron_variant(args, pp: int, vp: int, m: int, name: str) -> Variant:
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_bfpp.data import gpt_forward_step
+    from megatron_bfpp.train.data import gpt_forward_step
     from megatron_bfpp.runtime import get_forward_backward_func
     from tests.support.megatron_cpu_shim import stock_schedules_on_cpu
 
@@ -280,7 +280,7 @@ def _microbatches(args, m: int, count: int) -> list[list[dict]]:
     """`count` global batches of Megatron's mock GPT data, this data-parallel rank's M micro-batches each."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bfpp.data import global_batch_microbatches, make_microbatch_iterators
+    from megatron_bfpp.train.data import global_batch_microbatches, make_microbatch_iterators
 
     d = ps.get_data_parallel_world_size()
     (it,) = make_microbatch_iterators(seq_length=args.seq_length, vocab_size=args.vocab_size,
@@ -309,7 +309,7 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
 def run_layout(args, pp: int, vp: int) -> list[dict]:
     from megatron.core import parallel_state as ps
 
-    from megatron_bfpp import parallel
+    from megatron_bfpp.train import parallel
 
     parallel.init_parallel(pp, vp, distributed_timeout_seconds=300)
     rows = []
@@ -449,7 +449,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def worker(args: argparse.Namespace) -> None:
-    from megatron_bfpp import parallel
+    from megatron_bfpp.train import parallel
     from megatron_bfpp.runtime import set_wait_timeout
 
     torch.set_num_threads(1)

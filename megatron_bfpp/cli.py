@@ -8,7 +8,7 @@ import sys
 # command -> (module, function taking argv and returning an exit code, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "schedule": ("megatron_bfpp.schedule.cli", "main", "build, lower, validate and print a pipeline schedule"),
-    "train": ("megatron_bfpp.train_launcher", "main", "train a GPT on N local processes (CPU/gloo or GPU/NCCL)"),
+    "train": ("megatron_bfpp.train.launcher", "main", "train a GPT on N local processes (CPU/gloo or GPU/NCCL)"),
     "simulate": ("megatron_bfpp.sim.cli", "simulate_main", "predict step time, bubble, memory of a configuration"),
     "plan": ("megatron_bfpp.sim.cli", "plan_main", "search parallel layouts and rank them by throughput"),
     "draw": ("megatron_bfpp.trace.cli", "draw_main", "draw a schedule, simulation or recorded timeline as PNG"),

@@ -138,8 +138,8 @@ def measured_ops(model_name: str, micro_batch_size: int, device_name: str, iters
     import torch
     import torch.nn.functional as F
 
-    from megatron_bfpp import model as mm
-    from megatron_bfpp import parallel
+    from megatron_bfpp.train import model as mm
+    from megatron_bfpp.train import parallel
 
     device = torch.device(device_name)
     if device.type == "cuda":

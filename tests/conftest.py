@@ -8,7 +8,7 @@ in tests/support); the markers are exact, test by test. A unit test
 cannot start a process: the guard below fails it, naming the fixture to use, so the tiers cannot drift. The unit
 tier also fails a test whose call uses more than BFPP_UNIT_TEST_SECONDS CPU seconds (default 5).
 
-Some modules open a one-process world in the pytest process (`megatron_bfpp.parallel.init_single_process`, for
+Some modules open a one-process world in the pytest process (`megatron_bfpp.train.parallel.init_single_process`, for
 Megatron's layers). Left open, it changes what later modules see (tests that need no process group skip or take
 another path), so it is closed after each module, whichever module opened it.
 """
@@ -59,8 +59,8 @@ def _close_process_groups_after_module():
         return
     import torch.distributed as dist
 
-    if "megatron_bfpp.parallel" in sys.modules:
-        sys.modules["megatron_bfpp.parallel"].destroy_parallel()
+    if "megatron_bfpp.train.parallel" in sys.modules:
+        sys.modules["megatron_bfpp.train.parallel"].destroy_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
 

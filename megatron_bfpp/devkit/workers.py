@@ -127,9 +127,9 @@ def sync_main(argv: list[str]) -> int:
     trainer_argv = argv[argv.index("--") + 1:]
     import torch.distributed as dist
 
-    from megatron_bfpp import parallel
+    from megatron_bfpp.train import parallel
     from megatron_bfpp.train import Trainer
-    from megatron_bfpp.train_config import parse_trainer_args
+    from megatron_bfpp.train.config import parse_trainer_args
 
     args = parse_trainer_args(trainer_argv)
     trainer = Trainer(args)

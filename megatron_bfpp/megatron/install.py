@@ -223,11 +223,8 @@ def _multi_module_collection():
 
 
 def _runtime_factory() -> Callable:
-    try:
-        from megatron_bfpp.runtime import get_forward_backward_func
-    except ImportError as e:
-        raise ImportError(f"megatron_bfpp.runtime.get_forward_backward_func is not importable ({e}); reinstall "
-                          "megatron_bfpp (pip install -e .)") from e
+    from ..runtime import get_forward_backward_func
+
     return get_forward_backward_func
 
 
@@ -251,17 +248,14 @@ def bind_zero_stage(ddp_class: type, zero_stage: int) -> type:
 
 def _sharded_replacements(zero_stage: int) -> dict[str, Any]:
     """--zero-stage replacements: wrapper class, optimizer factory, gradient finalisation."""
-    try:
-        from megatron_bfpp.sharded import megatron_compat
-        from megatron_bfpp.sharded.finalize import finalize_model_grads
-    except ImportError as e:
-        raise ImportError(f"--zero-stage needs megatron_bfpp.sharded.megatron_compat ({e}); reinstall megatron_bfpp"
-                          ) from e
-    ddp = bind_zero_stage(megatron_compat.DistributedDataParallel, zero_stage)
+    from ..sharded.finalize import finalize_model_grads
+    from . import sharded_compat
+
+    ddp = bind_zero_stage(sharded_compat.DistributedDataParallel, zero_stage)
     return {
         "DDP": ddp,
         "DistributedDataParallel": ddp,
-        "get_megatron_optimizer": megatron_compat.get_megatron_optimizer,
+        "get_megatron_optimizer": sharded_compat.get_megatron_optimizer,
         "finalize_model_grads": finalize_model_grads,
     }
 
@@ -347,6 +341,11 @@ def install(args: argparse.Namespace) -> PluginConfig:
         setattr(mod, attr, value)
     _installed["config"] = cfg
     if cfg.uses_runtime:
+        # Every p2p wait and channel group bounded by Megatron's --distributed-timeout-minutes.
+        from ..runtime import set_wait_timeout
+
+        minutes = getattr(args, "distributed_timeout_minutes", None)
+        set_wait_timeout(60.0 * minutes if minutes else None)
         what = f"pipeline schedule {cfg.pipeline_schedule} (P={cfg.pp}, V={cfg.vp}, M={'/'.join(map(str, cfg.train_microbatches))}"
         what += f", group size {cfg.microbatch_group_size})" if cfg.microbatch_group_size else ")"
         if cfg.zero_stage is not None:
@@ -366,7 +365,8 @@ def uninstall() -> None:
     while _rebound:
         mod, attr, original = _rebound.pop()
         setattr(mod, attr, original)
-    _installed.pop("config", None)
+    if _installed.pop("config", None) is not None and "megatron_bfpp.runtime" in sys.modules:
+        sys.modules["megatron_bfpp.runtime"].set_wait_timeout(None)
 
 
 def is_installed() -> bool:

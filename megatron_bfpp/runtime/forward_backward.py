@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from ..schedule import Schedule, make_schedule
 from ..schedule.ir import GROUPED_SCHEDULES, SCHEDULE_NAMES, SPLIT_BACKWARD_SCHEDULES
+from ..sharded.ddp import ShardedDataParallel
+from ..sharded.driver import ShardedDriver
 from .executor import PipelineError, ScheduleExecutor
 from .hooks import DataParallelDriver, MegatronConfigDriver
 from .p2p import PipelineP2P, forget_channel_groups
@@ -86,12 +88,7 @@ def _dp_group(pg_collection: Any) -> dist.ProcessGroup | None:
 
 def _make_driver(model: Sequence[torch.nn.Module], config: Any) -> tuple[DataParallelDriver, int]:
     """Our sharded wrapper brings its own driver; anything else is driven through Megatron's config hooks."""
-    try:
-        from ..sharded.ddp import ShardedDataParallel
-        from ..sharded.driver import ShardedDriver
-    except ImportError:  # sharded package not importable: only Megatron's own DDP can be used
-        ShardedDataParallel = None  # type: ignore[assignment]
-    if ShardedDataParallel is not None and isinstance(model[0], ShardedDataParallel):
+    if isinstance(model[0], ShardedDataParallel):
         driver = ShardedDriver(list(model))
         return driver, driver.zero_stage
     return MegatronConfigDriver(model, config), 1

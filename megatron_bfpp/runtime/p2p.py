@@ -67,24 +67,14 @@ def _pipeline_pg_options(pp_group: dist.ProcessGroup, timeout: datetime.timedelt
     return fresh_nccl_options(live, timeout=timeout)
 
 
-def default_timeout_s() -> float | None:
-    """Megatron-LM's --distributed-timeout-minutes when Megatron's arguments are set, else None (torch's)."""
-    try:
-        from megatron.training.global_vars import get_args
-
-        minutes = getattr(get_args(), "distributed_timeout_minutes", None)
-    except Exception:  # Megatron-LM's globals not initialised: standalone use of megatron-core
-        return None
-    return None if minutes is None else 60.0 * minutes
-
-
 def channel_groups(pp_group: dist.ProcessGroup, timeout_s: float | None = None,
                    device: torch.device | None = None) -> dict[str, dist.ProcessGroup]:
     """{"activations": group, "gradients": group} over the ranks of `pp_group`, created once on every rank.
 
     `new_group` is collective over the whole world, so all pipeline groups' rank lists are exchanged first and
     every rank creates every pair in the same order. The groups take the given timeout (default:
-    --distributed-timeout-minutes) and the pipeline group's NCCL options (a fresh copy per group, with that
+    torch's; Megatron-LM's --distributed-timeout-minutes arrives through `runtime.set_wait_timeout`, set by
+    `megatron_bfpp.megatron.install`) and the pipeline group's NCCL options (a fresh copy per group, with that
     timeout). One all-reduce on each new group
     initialises its communicator on all ranks (a collective and a coalesced p2p use the same one, keyed by device):
     torch requires every rank of a group to take part in its first batched p2p call (`batch_isend_irecv`'s
@@ -95,7 +85,6 @@ def channel_groups(pp_group: dist.ProcessGroup, timeout_s: float | None = None,
         return _CHANNEL_CACHE[mine]
     all_lists: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_lists, mine)
-    timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
 
     def group_kwargs() -> dict:

@@ -7,7 +7,7 @@ import time
 import torch
 
 from ..schedule.ir import Action
-from ..trace.events import Stream, TimelineEvent, stream_of
+from ..schedule.events import Stream, TimelineEvent, stream_of
 
 
 class ActionRecorder:

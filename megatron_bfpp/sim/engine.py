@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..schedule import COMPUTE_OPS, Action, Op, Schedule, ScheduleError, add_p2p
-from ..trace.events import TimelineEvent
+from ..schedule.events import TimelineEvent
 from .costs import Costs
 
 

@@ -10,7 +10,7 @@ from ..schedule import Op, Schedule, ScheduleError, build, lower, validate
 from ..schedule.ir import INPUT_GRAD_OPS
 from ..schedule.validate import peak_pending_weight_grads
 from ..schedule.builders import check_breadth_first, check_interleaved
-from ..trace.events import TimelineEvent
+from ..schedule.events import TimelineEvent
 from .costs import Config, Placement, analytic_costs, memory_breakdown, peak_activation_bytes
 from .engine import EngineResult, simulate_schedule
 from .hardware import GIB, Hardware

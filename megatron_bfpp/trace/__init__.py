@@ -2,7 +2,7 @@
 (`bfpp report`). Importing the package does not import matplotlib; `trace.draw` does."""
 
 from .chrome import load_chrome_trace, merge_rank_files, write_chrome_trace, write_rank_file
-from .events import STREAMS, TimelineEvent, event_for
+from ..schedule.events import STREAMS, TimelineEvent, event_for
 from .metrics import check_against_schedule, iteration_metrics
 
 __all__ = [

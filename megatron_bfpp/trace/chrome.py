@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .events import STREAMS, TimelineEvent
+from ..schedule.events import STREAMS, TimelineEvent
 
 # Stream -> (thread id, track name shown in Perfetto). Thread ids are fixed so tracks keep the same order.
 TRACKS: dict[str, tuple[int, str]] = {

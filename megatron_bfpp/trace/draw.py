@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from .events import STREAMS, TimelineEvent  # noqa: E402
+from ..schedule.events import STREAMS, TimelineEvent  # noqa: E402
 from .metrics import iteration_metrics, select_iteration  # noqa: E402
 
 STREAM_LABELS = {"compute": "compute", "p2p": "p2p", "dp": "data-par."}

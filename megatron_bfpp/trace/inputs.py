@@ -17,7 +17,7 @@ from pathlib import Path
 from ..schedule import Schedule, ScheduleError, load
 from ..schedule.formats import from_json_dict
 from .chrome import ORIGIN_KEY, TraceFormatError, events_from_chrome_dict, events_from_list
-from .events import TimelineEvent
+from ..schedule.events import TimelineEvent
 
 
 @dataclass

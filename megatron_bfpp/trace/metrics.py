@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable, Mapping
 
 from ..schedule import COMPUTE_OPS, Op, Schedule
-from .events import TimelineEvent
+from ..schedule.events import TimelineEvent
 
 _COMPUTE = {op.value for op in COMPUTE_OPS}
 

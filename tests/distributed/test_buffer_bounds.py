@@ -33,9 +33,9 @@ RUNS = [("breadth-first", 2, GRAD_BUFFERS), ("breadth-first", 3, GRAD_BUFFERS), 
 def _worker(rank: int, world: int, out_dir: str) -> list:
     import torch.distributed as dist
 
-    from megatron_bfpp import parallel
+    from megatron_bfpp.train import parallel
     from megatron_bfpp.train import Trainer
-    from megatron_bfpp.train_config import parse_trainer_args
+    from megatron_bfpp.train.config import parse_trainer_args
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     reports = []

@@ -54,9 +54,9 @@ for _flag, _value in (("--train-iters", "4"), ("--hidden-dropout", "0.1"), ("--a
 
 def _train(argv: list[str], world: int, state: dict | None = None, key: str = "") -> list[float]:
     """Train; return the losses. With `state`, also store this rank's final state there under `key`."""
-    from megatron_bfpp import parallel
+    from megatron_bfpp.train import parallel
     from megatron_bfpp.train import Trainer
-    from megatron_bfpp.train_config import parse_trainer_args
+    from megatron_bfpp.train.config import parse_trainer_args
 
     trainer = Trainer(parse_trainer_args(argv, world_size=world))
     trainer.run()
@@ -70,7 +70,7 @@ def _final_state(trainer) -> dict:
     """This rank's parameters (gathered whole) and optimizer state, as copies."""
     from contextlib import ExitStack
 
-    from megatron_bfpp.model import global_named_parameters
+    from megatron_bfpp.train.model import global_named_parameters
 
     with ExitStack() as stack:
         for chunk in trainer.model:
@@ -230,7 +230,7 @@ def test_checkpoint_layout_on_disk(reference):
 
 
 def test_model_shape_mismatch_names_the_flag(reference):
-    from megatron_bfpp.train_config import TrainerConfigError, parse_trainer_args
+    from megatron_bfpp.train.config import TrainerConfigError, parse_trainer_args
 
     argv = BASE + REFERENCE + ["--load", reference["ckpt"], "--hidden-size", "32"]
     with pytest.raises(TrainerConfigError) as info:

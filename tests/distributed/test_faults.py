@@ -149,10 +149,10 @@ def _faults_worker(rank: int, world: int, report: str) -> dict:
 
 
 def _numerics_checks(world: int, report: str) -> dict:
-    from megatron_bfpp import parallel
-    from megatron_bfpp.faults import NumericalFault
+    from megatron_bfpp.train import parallel
+    from megatron_bfpp.train.faults import NumericalFault
     from megatron_bfpp.train import Trainer
-    from megatron_bfpp.train_config import parse_trainer_args
+    from megatron_bfpp.train.config import parse_trainer_args
 
     out: dict = {}
     for case, spec, extra in (

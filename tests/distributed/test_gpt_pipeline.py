@@ -27,7 +27,7 @@ P4_CASES = [("interleaved-1f1b", 2, 8, None), ("breadth-first", 2, 8, None), ("b
 
 
 def _batches(m: int, step: int) -> list[dict]:
-    from megatron_bfpp.data import causal_mask
+    from megatron_bfpp.train.data import causal_mask
 
     g = torch.Generator().manual_seed(100 + step)
     out = []
@@ -40,7 +40,7 @@ def _batches(m: int, step: int) -> list[dict]:
 
 
 def _config(num_layers: int, pp: int, vp: int, recompute: str | None = None):
-    from megatron_bfpp.model import make_transformer_config
+    from megatron_bfpp.train.model import make_transformer_config
 
     return make_transformer_config(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                    hidden_dropout=0.0, attention_dropout=0.0, pipeline_model_parallel_size=pp,
@@ -59,8 +59,8 @@ def _cpu_rng_shim() -> None:
 
 def _reference_worker(rank: int, world: int, jobs) -> dict:
     """Whole model as one chunk, plain autograd over the same micro-batches, Megatron's loss normalisation."""
-    from megatron_bfpp import parallel
-    from megatron_bfpp.model import build_model_chunks, global_named_parameters
+    from megatron_bfpp.train import parallel
+    from megatron_bfpp.train.model import build_model_chunks, global_named_parameters
 
     parallel.init_parallel(1)
     out = {}
@@ -89,9 +89,9 @@ def _reference_worker(rank: int, world: int, jobs) -> dict:
 def _pipeline_worker(rank: int, world: int, cases, num_layers: int, recompute: str | None = None) -> list:
     from megatron.core import parallel_state as ps
 
-    from megatron_bfpp import parallel
-    from megatron_bfpp.data import gpt_forward_step
-    from megatron_bfpp.model import allreduce_tied_embedding_grads, build_model_chunks, global_named_parameters
+    from megatron_bfpp.train import parallel
+    from megatron_bfpp.train.data import gpt_forward_step
+    from megatron_bfpp.train.model import allreduce_tied_embedding_grads, build_model_chunks, global_named_parameters
     from megatron_bfpp.runtime import get_forward_backward_func, set_wait_timeout
 
     set_wait_timeout(120)

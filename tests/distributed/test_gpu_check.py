@@ -216,7 +216,7 @@ def test_probe_reports_apex_as_megatron_imports_it(monkeypatch) -> None:
 
 
 def test_trainer_accepts_its_commands(dry_runs) -> None:
-    from megatron_bfpp.train_config import parse_trainer_args
+    from megatron_bfpp.train.config import parse_trainer_args
 
     for stdout in dry_runs.values():
         for name, cmd in _named(stdout).items():

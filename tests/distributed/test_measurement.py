@@ -70,7 +70,7 @@ def _arm_late_send(fb, chunks, send: str) -> None:
 
 
 def _metrics(events_per_rank, iteration=1):
-    from megatron_bfpp.trace.events import TimelineEvent
+    from megatron_bfpp.schedule.events import TimelineEvent
     from megatron_bfpp.trace.metrics import iteration_metrics
 
     events = [TimelineEvent.from_dict(e) for evs in events_per_rank for e in evs]
@@ -123,10 +123,10 @@ def _zero3_worker(rank: int, world: int) -> list[dict]:
     import torch.distributed as dist
 
     import megatron_bfpp.runtime as runtime
-    from megatron_bfpp import parallel
+    from megatron_bfpp.train import parallel
     from megatron_bfpp.sharded import comm
     from megatron_bfpp.train import Trainer
-    from megatron_bfpp.train_config import parse_trainer_args
+    from megatron_bfpp.train.config import parse_trainer_args
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     originals = comm.all_gather, comm.reduce_scatter

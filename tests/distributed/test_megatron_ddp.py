@@ -32,7 +32,7 @@ RUNS = [("breadth-first", "ddp"), ("breadth-first", "distopt"), ("interleaved-1f
 
 
 def _config(pp: int, vp: int):
-    from megatron_bfpp.model import make_transformer_config
+    from megatron_bfpp.train.model import make_transformer_config
 
     return make_transformer_config(num_layers=4, hidden_size=16, num_attention_heads=2, hidden_dropout=0.0,
                                    attention_dropout=0.0, pipeline_model_parallel_size=pp,
@@ -45,9 +45,9 @@ def _megatron_worker(rank: int, world: int, runs) -> list:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.utils import get_model_config
 
-    from megatron_bfpp import parallel
-    from megatron_bfpp.data import gpt_forward_step, make_microbatch_iterators
-    from megatron_bfpp.model import build_model_chunks, global_named_parameters
+    from megatron_bfpp.train import parallel
+    from megatron_bfpp.train.data import gpt_forward_step, make_microbatch_iterators
+    from megatron_bfpp.train.model import build_model_chunks, global_named_parameters
     from megatron_bfpp.runtime import MegatronConfigDriver, get_forward_backward_func, set_wait_timeout
     from megatron_bfpp.runtime import forward_backward as fb_module
     from tests.support.megatron_ddp_cpu_shim import megatron_ddp_on_cpu
@@ -169,9 +169,9 @@ def _full_main_grads(params: dict, distributed_optimizer: bool, model) -> dict:
 
 
 def _reference_worker(rank: int, world: int) -> dict:
-    from megatron_bfpp import parallel
-    from megatron_bfpp.data import global_batch_microbatches, make_microbatch_iterators
-    from megatron_bfpp.reference import run_reference
+    from megatron_bfpp.train import parallel
+    from megatron_bfpp.train.data import global_batch_microbatches, make_microbatch_iterators
+    from tests.support.reference import run_reference
 
     parallel.init_parallel(1)
     (it,) = make_microbatch_iterators(seq_length=SEQ, vocab_size=VOCAB, global_batch_size=GBS, micro_batch_size=1,

@@ -39,12 +39,12 @@ def _worker(rank: int, world: int) -> list:
     import torch.distributed as dist
 
     import megatron_bfpp.runtime as runtime
-    from megatron_bfpp import parallel
+    from megatron_bfpp.train import parallel
     from megatron_bfpp.sharded import comm
     from megatron_bfpp.sharded.ddp import ShardedDataParallel
     from megatron_bfpp.sharded.driver import ShardedDriver
     from megatron_bfpp.train import Trainer
-    from megatron_bfpp.train_config import parse_trainer_args
+    from megatron_bfpp.train.config import parse_trainer_args
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     current: list = [None]

@@ -46,7 +46,7 @@ def _runs(m: int, g: int) -> list[tuple[str, int | None]]:
 
 
 def _batches(m: int) -> list[dict]:
-    from megatron_bfpp.data import causal_mask
+    from megatron_bfpp.train.data import causal_mask
 
     g = torch.Generator().manual_seed(1000 + m)
     out = []
@@ -61,7 +61,7 @@ def _batches(m: int) -> list[dict]:
 
 
 def _config(pp: int, vp: int = VP):
-    from megatron_bfpp.model import make_transformer_config
+    from megatron_bfpp.train.model import make_transformer_config
 
     return make_transformer_config(num_layers=pp * vp, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                    hidden_dropout=0.0, attention_dropout=0.0, pipeline_model_parallel_size=pp,
@@ -71,8 +71,8 @@ def _config(pp: int, vp: int = VP):
 def _reference(pp: int, m: int, tied: bool, vp: int = VP) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The whole model as one chunk in this process (a one-stage pipeline talking to nobody), plain autograd,
     Megatron's normalisation: each micro-batch's backward on loss_sum / num_tokens / M."""
-    from megatron_bfpp.data import gpt_forward_step
-    from megatron_bfpp.model import build_model_chunks, global_named_parameters
+    from megatron_bfpp.train.data import gpt_forward_step
+    from megatron_bfpp.train.model import build_model_chunks, global_named_parameters
 
     (model,) = build_model_chunks(_config(pp, vp), vocab_size=VOCAB, max_sequence_length=SEQ, pp_rank=0, pp_size=1,
                                   share_embeddings_and_output_weights=tied, seed=SEED)
@@ -88,7 +88,7 @@ def _reference(pp: int, m: int, tied: bool, vp: int = VP) -> tuple[list[float], 
 def _chunks(pp: int, tied: bool, vp: int = VP):
     from megatron.core import parallel_state as ps
 
-    from megatron_bfpp.model import build_model_chunks
+    from megatron_bfpp.train.model import build_model_chunks
 
     return build_model_chunks(_config(pp, vp), vocab_size=VOCAB, max_sequence_length=SEQ,
                               pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp, vp_size=vp,
@@ -101,8 +101,8 @@ def _run(pp: int, runner: str, m: int, g: int | None, tied: bool, p2p: dict | No
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_bfpp.data import gpt_forward_step
-    from megatron_bfpp.model import allreduce_tied_embedding_grads, global_named_parameters
+    from megatron_bfpp.train.data import gpt_forward_step
+    from megatron_bfpp.train.model import allreduce_tied_embedding_grads, global_named_parameters
     from megatron_bfpp.runtime import get_forward_backward_func
     from tests.support.megatron_cpu_shim import stock_schedules_on_cpu
 
@@ -132,7 +132,7 @@ def _unshimmed_failure(pp: int) -> str | None:
 
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_bfpp.data import gpt_forward_step
+    from megatron_bfpp.train.data import gpt_forward_step
 
     chunks = _chunks(pp, True)
     for key, value in STOCK_P2P.items():
@@ -148,7 +148,7 @@ def _unshimmed_failure(pp: int) -> str | None:
 
 
 def _worker(rank: int, world: int) -> dict:
-    from megatron_bfpp import parallel
+    from megatron_bfpp.train import parallel
     from megatron_bfpp.runtime import set_wait_timeout
 
     set_wait_timeout(60)

@@ -23,9 +23,9 @@ RUNS = [(s, z, m) for s in ("breadth-first", "interleaved-1f1b") for z, m in ((3
 def _worker(rank: int, world: int) -> list:
     import torch.distributed as dist
 
-    from megatron_bfpp import parallel
+    from megatron_bfpp.train import parallel
     from megatron_bfpp.train import Trainer
-    from megatron_bfpp.train_config import parse_trainer_args
+    from megatron_bfpp.train.config import parse_trainer_args
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     reports = []

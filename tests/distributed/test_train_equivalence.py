@@ -31,9 +31,9 @@ RUNS = ([("breadth-first", z) for z in (1, 2, 3)] + [("interleaved-1f1b", z) for
 def _trainer_worker(rank: int, world: int, runs, out_dir: str) -> list:
     import torch.distributed as dist
 
-    from megatron_bfpp.model import global_named_parameters
+    from megatron_bfpp.train.model import global_named_parameters
     from megatron_bfpp.train import Trainer
-    from megatron_bfpp.train_config import parse_trainer_args
+    from megatron_bfpp.train.config import parse_trainer_args
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = []
@@ -62,7 +62,7 @@ def _trainer_worker(rank: int, world: int, runs, out_dir: str) -> list:
                       global_named_parameters(trainer.model, trainer.pp_rank, trainer.pp).items()}
         results.append({"losses": trainer.losses, "grad_norms": grad_norms, "params": params, "report": report,
                         "pp_rank": trainer.pp_rank, "rank": rank})
-        from megatron_bfpp import parallel
+        from megatron_bfpp.train import parallel
 
         parallel.destroy_parallel()
     return results
@@ -82,10 +82,10 @@ class _all_full:
 
 
 def _reference_worker(rank: int, world: int) -> dict:
-    from megatron_bfpp import parallel
-    from megatron_bfpp.data import global_batch_microbatches, make_microbatch_iterators
-    from megatron_bfpp.model import make_transformer_config
-    from megatron_bfpp.reference import run_reference
+    from megatron_bfpp.train import parallel
+    from megatron_bfpp.train.data import global_batch_microbatches, make_microbatch_iterators
+    from megatron_bfpp.train.model import make_transformer_config
+    from tests.support.reference import run_reference
 
     parallel.init_parallel(1)
     (it,) = make_microbatch_iterators(seq_length=16, vocab_size=128, global_batch_size=8, micro_batch_size=1,

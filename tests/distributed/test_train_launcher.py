@@ -77,8 +77,8 @@ def test_configuration_error_in_the_workers_is_printed_once(subprocesses, small_
 
 _REPORT = """
 import os, sys
-from megatron_bfpp.faults import report_config_error, report_failure
-from megatron_bfpp.train_config import TrainerConfigError
+from megatron_bfpp.train.faults import report_config_error, report_failure
+from megatron_bfpp.train.config import TrainerConfigError
 kind = sys.argv[1]
 if kind == "config":
     sys.exit(report_config_error(TrainerConfigError("--flag X: fix it"), int(os.environ["RANK"])))

@@ -19,7 +19,7 @@ def _worker(rank: int, world: int, prefix: str) -> list[float]:
     import torch.distributed as dist
 
     from megatron_bfpp.train import Trainer
-    from megatron_bfpp.train_config import parse_trainer_args
+    from megatron_bfpp.train.config import parse_trainer_args
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     argv = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "

@@ -64,11 +64,11 @@ def _watch_grad_buffers_at_i() -> dict[str, int]:
 def _worker(rank: int, world: int, runs) -> list:
     import torch.distributed as dist
 
-    from megatron_bfpp import parallel
-    from megatron_bfpp.model import global_named_parameters
+    from megatron_bfpp.train import parallel
+    from megatron_bfpp.train.model import global_named_parameters
     from megatron_bfpp.runtime.forward_backward import last_schedule
     from megatron_bfpp.train import Trainer
-    from megatron_bfpp.train_config import parse_trainer_args
+    from megatron_bfpp.train.config import parse_trainer_args
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     early = _watch_grad_buffers_at_i()
@@ -127,9 +127,9 @@ def test_split_backward_does_the_fused_backward_work_once():
     same matmul FLOPs: with the deferring linears, the weight-gradient GEMMs run at W only and everything else
     at I. The graph split alone (PyTorch pipelining's, what a chunk without adaptable layers gets) runs
     Megatron's linear Function's whole backward at I and again at W: more FLOPs, which this test also shows."""
-    from megatron_bfpp import parallel
+    from megatron_bfpp.train import parallel
 
-    from megatron_bfpp.model import build_model_chunks
+    from megatron_bfpp.train.model import build_model_chunks
 
     parallel.init_single_process()
     try:
@@ -150,12 +150,12 @@ def test_split_backward_defers_tensor_parallel_linears(run_distributed):
 def _tensor_parallel_worker(rank: int, world: int) -> bool:
     import torch.distributed as dist
 
-    from megatron_bfpp import parallel
+    from megatron_bfpp.train import parallel
 
     import torch
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_bfpp.model import layer_spec
+    from megatron_bfpp.train.model import layer_spec
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     parallel.init_parallel(1, tensor_model_parallel_size=world, distributed_timeout_seconds=120)
@@ -175,7 +175,7 @@ def _tensor_parallel_worker(rank: int, world: int) -> bool:
 
 
 def _split_config(tensor_parallel: int):
-    from megatron_bfpp.model import make_transformer_config
+    from megatron_bfpp.train.model import make_transformer_config
 
     return make_transformer_config(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
                                    attention_dropout=0.0, tensor_model_parallel_size=tensor_parallel)
@@ -187,7 +187,7 @@ def _check_deferred_split(chunk, tensor_parallel: int) -> None:
 
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_bfpp.data import causal_mask
+    from megatron_bfpp.train.data import causal_mask
     from megatron_bfpp.runtime.split_backward import (PendingWeightGrad, backward_input, backward_weight,
                                                        deferring_weight_grads, split_friendly_linears)
 
@@ -252,9 +252,9 @@ def test_pending_w_counts_only_its_gemm_operands():
     and only the deferred GEMMs' operands count until the W (less than the F saved); it returns to 0."""
     import torch
 
-    from megatron_bfpp import parallel
-    from megatron_bfpp.data import gpt_forward_step
-    from megatron_bfpp.model import build_model_chunks
+    from megatron_bfpp.train import parallel
+    from megatron_bfpp.train.data import gpt_forward_step
+    from megatron_bfpp.train.model import build_model_chunks
     from megatron_bfpp.runtime import get_forward_backward_func
     from megatron_bfpp.runtime.executor import ScheduleExecutor
     from megatron_bfpp.runtime.forward_backward import last_run_stats
@@ -374,9 +374,9 @@ def test_split_backward_defers_linears_with_fused_gradient_accumulation(monkeypa
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.tensor_parallel import layers
 
-    from megatron_bfpp import parallel
-    from megatron_bfpp.data import gpt_forward_step
-    from megatron_bfpp.model import build_model_chunks, make_transformer_config
+    from megatron_bfpp.train import parallel
+    from megatron_bfpp.train.data import gpt_forward_step
+    from megatron_bfpp.train.model import build_model_chunks, make_transformer_config
     from megatron_bfpp.runtime import get_forward_backward_func
     from megatron_bfpp.runtime.executor import ScheduleExecutor
     from megatron_bfpp.sharded import ShardedDataParallel
@@ -435,8 +435,8 @@ def _sequence_parallel_worker(rank: int, world: int) -> bool:
     import torch.distributed as dist
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    from megatron_bfpp import parallel
-    from megatron_bfpp.model import make_transformer_config
+    from megatron_bfpp.train import parallel
+    from megatron_bfpp.train.model import make_transformer_config
     from megatron_bfpp.runtime.split_backward import (PendingWeightGrad, backward_weight, deferring_weight_grads,
                                                        split_friendly_linears)
 
@@ -569,7 +569,7 @@ def _te_stand_in_worker(rank: int, world: int, cases) -> list:
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from megatron_bfpp import parallel
+    from megatron_bfpp.train import parallel
     from megatron_bfpp.runtime import get_forward_backward_func, set_wait_timeout
     from megatron_bfpp.runtime.forward_backward import last_schedule
     from megatron_bfpp.sharded import ShardedDataParallel

@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir
 # The modules every gloo job's ranks import, preloaded once per session by the fork servers.
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
            "megatron_bfpp", "megatron_bfpp.runtime", "megatron_bfpp.sharded", "megatron_bfpp.train",
-           "megatron_bfpp.model", "megatron_bfpp.parallel", "pytest", "tests.support.toy_pipeline"]
+           "megatron_bfpp.train.model", "megatron_bfpp.train.parallel", "pytest", "tests.support.toy_pipeline"]
 _servers: ForkServers | None = None
 
 

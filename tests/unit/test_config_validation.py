@@ -12,7 +12,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-from megatron_bfpp.train_config import TrainerConfigError, parse_trainer_args
+from megatron_bfpp.train.config import TrainerConfigError, parse_trainer_args
 
 BASE = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
         "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3"]

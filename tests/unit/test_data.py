@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_bfpp import data, model as mm, parallel
-from megatron_bfpp.reference import run_reference
+from megatron_bfpp.train import data, model as mm, parallel
+from tests.support.reference import run_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "tests", "support", "data", "tiny_corpus.txt")

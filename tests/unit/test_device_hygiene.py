@@ -48,17 +48,17 @@ INHERITS_DEVICE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.fu
 
 # Deliberate host data: (file relative to the package, function, factories) -> why a CPU tensor is right there.
 HOST_DATA = {
-    ("model.py", "init_value", ("zeros", "ones", "empty")):
+    ("train/model.py", "init_value", ("zeros", "ones", "empty")):
         "initial values are drawn from the CPU generator (identical whatever the layout and device), then "
         "copied to each parameter's device",
     ("sharded/optimizer.py", "step_with_ready_grads", ("tensor",)):
         "torch's functional Adam (capturable=False) takes its step counts as CPU scalars",
-    ("data.py", "causal_mask", ("ones",)):
+    ("train/data.py", "causal_mask", ("ones",)):
         "the data loader's attention mask is host data like its batches (as Megatron's loader); "
         "gpt_forward_step moves the batch to the model's device",
     ("sharded/checkpoint.py", "saving_sharded_state_dict", ("tensor",)):
         "the checkpoint's optimizer step is a CPU scalar, as torch's Adam and Megatron's optimizers save it",
-    ("faults.py", "check_numerics", ("zeros",)):
+    ("train/faults.py", "check_numerics", ("zeros",)):
         "the per-rank NaN flags are built on the host and moved to the group's device for the all-reduce",
 }
 _LITERAL_CPU = re.compile(r"""device\s*=\s*(torch\.device\()?["']cpu["']""")
@@ -252,8 +252,8 @@ def test_source_scan_passes_derived_devices():
     findings, calls = scan_source("runtime/executor.py", code)
     assert calls == 3 and [(f.function, f.factory) for f in findings] == [("g", "tensor")]
     # The same deviceless call is allowed only at a listed host-data site.
-    assert scan_source("faults.py", "def check_numerics():\n    return torch.zeros(2)\n")[0] == []
-    assert len(scan_source("faults.py", "def other():\n    return torch.zeros(2)\n")[0]) == 1
+    assert scan_source("train/faults.py", "def check_numerics():\n    return torch.zeros(2)\n")[0] == []
+    assert len(scan_source("train/faults.py", "def other():\n    return torch.zeros(2)\n")[0]) == 1
 
 
 # ------------------------------------------------------------------------------------ the dynamic check
@@ -267,9 +267,9 @@ RUNS = [["--pipeline-schedule", "breadth-first", "--zero-stage", "3", "--fp16", 
 def _worker(rank: int, world: int, out_dir: str) -> dict:
     import torch.distributed as dist
 
-    from megatron_bfpp import parallel
+    from megatron_bfpp.train import parallel
     from megatron_bfpp.train import Trainer
-    from megatron_bfpp.train_config import parse_trainer_args
+    from megatron_bfpp.train.config import parse_trainer_args
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     audit = DeviceAudit()
@@ -317,8 +317,8 @@ def test_audit_flags_deviceless_factories(code):
 def test_audit_passes_derived_devices_and_ignores_other_code():
     ok = "p = torch.ones(2, device='cpu')\nx = torch.zeros(3, device=p.device)\ny = torch.zeros_like(x)\n" \
          "z = torch.as_tensor(x)\n"
-    audit = _run_as_package_file("train.py", ok)
-    # The literal 'cpu' on the first line is judged by the real train.py's source line, which has none.
+    audit = _run_as_package_file("train/loop.py", ok)
+    # The literal 'cpu' on the first line is judged by the real train/loop.py's source line, which has none.
     assert not [f for f in audit.findings if "without a device" in f.problem]
     with DeviceAudit() as outside:
         torch.zeros(2)  # this file is not the package

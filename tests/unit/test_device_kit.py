@@ -86,7 +86,7 @@ def test_layouts_divide_the_model(device) -> None:
 
 def test_trainer_accepts_the_bfpp_legs(subprocesses) -> None:
     """(Importing Megatron starts ldconfig: the distributed tier.)"""
-    from megatron_bfpp.train_config import parse_trainer_args
+    from megatron_bfpp.train.config import parse_trainer_args
 
     for device in plan.DEVICES:
         shape = plan.SHAPES[device]

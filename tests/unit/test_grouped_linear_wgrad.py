@@ -20,7 +20,7 @@ import torch.distributed as dist
 # Imported here, not in the tests: a unit test's call must stay short.
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-from megatron_bfpp import parallel
+from megatron_bfpp.train import parallel
 from megatron_bfpp.runtime import get_forward_backward_func
 from megatron_bfpp.sharded import ShardedDataParallel
 from tests.support import toy_pipeline as toy

@@ -205,3 +205,109 @@ def test_circles_are_found_through_import_module_calls(tmp_path):
     assert graph["pkg.e"] == {"pkg.f": 2} and graph["pkg.f"] == {"pkg.e": 4}
     assert graph["pkg.sub"] == {}
     assert import_circles(graph) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"], ["pkg.e", "pkg.f"]]
+
+
+# ------------------------------------------------------------------------------------------------ the layers
+
+# The package's layers and what each may import besides itself (README's layout section). Lowest first:
+# schedules as data; the runtime (which drives the sharded wrapper), the simulator and the timelines over them;
+# then what knows Megatron-LM and the standalone trainer; the device kit and the entry points on top. A
+# command (`<layer>/cli.py`, the top-level `cli.py`) may import any layer.
+LAYERS: dict[str, set[str]] = {
+    "errors": set(),
+    "schedule": set(),
+    "sharded": set(),
+    "runtime": {"schedule", "sharded"},
+    "sim": {"schedule"},
+    "trace": {"schedule", "sim"},
+    "megatron": {"schedule", "sharded", "runtime", "trace"},
+    "train": {"errors", "schedule", "sharded", "runtime", "sim", "trace", "megatron"},
+    "run_megatron_script": {"megatron"},
+    "devkit": {"megatron_bfpp", "schedule", "sim", "train", "run_megatron_script"},
+    "megatron_bfpp": set(),  # the package's __init__: its version only
+}
+# Third-party imports a layer must not make: schedules are plain Python (no torch), and nothing below
+# `megatron/` and `train/` reads Megatron-LM's training globals (megatron.training).
+FORBIDDEN = {
+    "schedule": ("torch", "megatron", "numpy"),
+    "sharded": ("megatron.training",),
+    "runtime": ("megatron.training",),
+    "sim": ("torch", "megatron"),
+    "trace": ("megatron.training",),
+}
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def is_command(module: str) -> bool:
+    return module == "megatron_bfpp.cli" or module.endswith(".cli")
+
+
+def layer_violations(graph: dict[str, dict[str, int]]) -> list[str]:
+    out = []
+    for module, deps in sorted(graph.items()):
+        if is_command(module):
+            continue
+        mine = layer_of(module)
+        allowed = LAYERS.get(mine)
+        if allowed is None:
+            out.append(f"{module}: layer {mine!r} is not in LAYERS (add it, with what it may import)")
+            continue
+        out += [f"{module} (line {line}) imports {dep}: layer {mine} may import {sorted(allowed) or 'nothing'}"
+                for dep, line in sorted(deps.items()) if layer_of(dep) != mine and layer_of(dep) not in allowed]
+    return out
+
+
+def third_party_violations(modules: dict[str, str]) -> list[str]:
+    out = []
+    for module, path in sorted(modules.items()):
+        banned = FORBIDDEN.get(layer_of(module))
+        if not banned or is_command(module):
+            continue
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            out += [f"{module} (line {node.lineno}) imports {n}" for n in names
+                    if any(n == b or n.startswith(b + ".") for b in banned)]
+    return out
+
+
+def test_package_respects_its_layers():
+    graph = import_graph()
+    assert {layer_of(m) for m in graph} <= set(LAYERS) | {"cli"}, sorted({layer_of(m) for m in graph} - set(LAYERS))
+    violations = layer_violations(graph) + third_party_violations(package_modules())
+    assert not violations, "imports across the layers (tests/unit/test_import_graph.py LAYERS):\n" + "\n".join(violations)
+
+
+def test_layer_violations_are_found():
+    graph = {"megatron_bfpp.schedule.ir": {"megatron_bfpp.runtime.p2p": 3},
+             "megatron_bfpp.sim.cli": {"megatron_bfpp.trace.chrome": 1},
+             "megatron_bfpp.runtime.p2p": {"megatron_bfpp.schedule.ir": 1, "megatron_bfpp.megatron.install": 9},
+             "megatron_bfpp.newlayer.x": {}}
+    assert layer_violations(graph) == [
+        "megatron_bfpp.newlayer.x: layer 'newlayer' is not in LAYERS (add it, with what it may import)",
+        "megatron_bfpp.runtime.p2p (line 9) imports megatron_bfpp.megatron.install: layer runtime may import "
+        "['schedule', 'sharded']",
+        "megatron_bfpp.schedule.ir (line 3) imports megatron_bfpp.runtime.p2p: layer schedule may import nothing",
+    ]
+
+
+def test_third_party_violations_are_found(tmp_path):
+    pkg = tmp_path / "megatron_bfpp"
+    (pkg / "schedule").mkdir(parents=True)
+    (pkg / "runtime").mkdir()
+    (pkg / "schedule" / "ir.py").write_text("import torch.distributed\n")
+    (pkg / "runtime" / "p2p.py").write_text("def f():\n    from megatron.training.global_vars import get_args\n")
+    (pkg / "runtime" / "ok.py").write_text("import torch\nfrom megatron.core import parallel_state\n")
+    found = third_party_violations(package_modules(str(pkg)))
+    assert found == ["megatron_bfpp.runtime.p2p (line 2) imports megatron.training.global_vars",
+                     "megatron_bfpp.schedule.ir (line 1) imports torch.distributed"]

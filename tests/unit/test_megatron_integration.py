@@ -379,15 +379,15 @@ def test_install_default_schedule_rebinds_nothing(restore) -> None:
 def test_install_is_atomic_when_a_replacement_is_missing(restore, monkeypatch: pytest.MonkeyPatch) -> None:
     training = restore
     original = training.get_forward_backward_func
-    monkeypatch.setitem(sys.modules, "megatron_bfpp.sharded.megatron_compat", None)  # import fails
-    with pytest.raises(ImportError, match="--zero-stage needs megatron_bfpp.sharded.megatron_compat"):
+    monkeypatch.setitem(sys.modules, "megatron_bfpp.megatron.sharded_compat", None)  # import fails
+    with pytest.raises(ImportError, match="megatron_bfpp.megatron.sharded_compat"):
         bm.install(_args(*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
                          "--zero-stage", "3"))
     assert training.get_forward_backward_func is original and not bm.is_installed()
 
 
 def test_install_zero3_rebinds_wrapper_optimizer_finalize(restore) -> None:
-    compat_mod = pytest.importorskip("megatron_bfpp.sharded.megatron_compat")
+    compat_mod = pytest.importorskip("megatron_bfpp.megatron.sharded_compat")
     from megatron.training.models import dist_utils
 
     from megatron_bfpp.sharded.finalize import finalize_model_grads
@@ -570,7 +570,7 @@ def _cpu_model_parallel_reductions(training):
 def _full_params(trainer) -> dict:
     import contextlib
 
-    from megatron_bfpp.model import global_named_parameters
+    from megatron_bfpp.train.model import global_named_parameters
 
     with contextlib.ExitStack() as stack:
         for c in trainer.model:
@@ -583,10 +583,10 @@ def _train_step_worker(rank: int, world: int, timeline: str) -> dict:
 
     import torch.distributed as dist
 
-    from megatron_bfpp import parallel
-    from megatron_bfpp.data import gpt_forward_step
+    from megatron_bfpp.train import parallel
+    from megatron_bfpp.train.data import gpt_forward_step
     from megatron_bfpp.train import Trainer
-    from megatron_bfpp.train_config import parse_trainer_args
+    from megatron_bfpp.train.config import parse_trainer_args
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     args = parse_trainer_args(E2E, world_size=world)

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megatron_bfpp import data, model as mm, parallel
-from megatron_bfpp.reference import ReferenceModel, run_reference
+from megatron_bfpp.train import data, model as mm, parallel
+from tests.support.reference import ReferenceModel, run_reference
 from tests.support.distributed import free_port
 
 VOCAB, SEQ, SEED = 64, 16, 11

@@ -59,7 +59,6 @@ def nccl_pipeline(monkeypatch):
     calls: list[dict] = []
     monkeypatch.setattr(c10d, "ProcessGroupNCCL", _RecordingNCCL)
     monkeypatch.setattr(p2p, "pipeline_ranks", lambda group: [0, 1])
-    monkeypatch.setattr(p2p, "default_timeout_s", lambda: None)  # no Megatron-LM arguments
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "all_gather_object",

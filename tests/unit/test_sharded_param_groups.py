@@ -27,7 +27,7 @@ from megatron.core.optimizer import (
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_bfpp import model as mm, parallel
+from megatron_bfpp.train import model as mm, parallel
 from megatron_bfpp.sharded import ShardedDataParallel, ShardedOptimizer
 
 NOT_HYPER_PARAMETERS = ("params", "step")  # the parameters' indices; Adam's step (Megatron adds it at a save)

@@ -14,7 +14,7 @@ from megatron_bfpp.trace.chrome import (
     TRACKS, TraceFormatError, chrome_trace_metadata, load_chrome_trace, merge_rank_files, write_chrome_trace,
     write_rank_file,
 )
-from megatron_bfpp.trace.events import TimelineEvent
+from megatron_bfpp.schedule.events import TimelineEvent
 from megatron_bfpp.trace.inputs import simulated_unit_timeline as unit_timeline
 from megatron_bfpp.trace.metrics import check_against_schedule, compute_overlaps, iteration_metrics
 from megatron_bfpp.trace.report import load_report, render

@@ -191,7 +191,7 @@ def _sharded_metadata() -> dict:
     optimizer state is always in the distributed optimizer's model-space format."""
     from megatron.core import parallel_state as ps
 
-    from .sharded.checkpoint import FULLY_RESHARDABLE
+    from ..sharded.checkpoint import FULLY_RESHARDABLE
 
     return {"distrib_optim_sharding_type": FULLY_RESHARDABLE,
             "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}

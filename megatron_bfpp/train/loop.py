@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .faults import FaultInjector
-from .train_config import TrainerConfigError, parse_trainer_args
+from .config import TrainerConfigError, parse_trainer_args
 
 
 def _log(msg: str) -> None:
@@ -32,7 +32,7 @@ class Trainer:
         from megatron.core import parallel_state as ps
 
         from . import parallel
-        from .runtime import get_forward_backward_func, set_wait_timeout
+        from ..runtime import get_forward_backward_func, set_wait_timeout
 
         self.args = args
         parallel.init_parallel(
@@ -71,9 +71,9 @@ class Trainer:
 
     def _build_model_and_optimizer(self):
         from . import model as model_lib
-        from .sharded.ddp import ShardedDataParallel
-        from .sharded.finalize import finalize_model_grads
-        from .sharded.optimizer import ShardedOptimizer
+        from ..sharded.ddp import ShardedDataParallel
+        from ..sharded.finalize import finalize_model_grads
+        from ..sharded.optimizer import ShardedOptimizer
 
         a = self.args
         dtype = "bf16" if a.bf16 else "fp16" if a.fp16 else "fp32"
@@ -138,7 +138,7 @@ class Trainer:
             data_cache_path=a.data_cache_path, consumed_samples=self.consumed_samples,
         )
 
-    # -- checkpoints (megatron_bfpp.checkpoint) ----------------------------------------------------------------
+    # -- checkpoints (megatron_bfpp.train.checkpoint) ----------------------------------------------------------------
 
     def _load_checkpoint(self) -> tuple[int, int]:
         if not self.args.load:
@@ -207,7 +207,7 @@ class Trainer:
         return loss_sum / tokens if tokens > 0 else float("nan")
 
     def run(self) -> dict:
-        from .runtime import ActionRecorder, set_recorder
+        from ..runtime import ActionRecorder, set_recorder
 
         a = self.args
         record_iters = set(a.timeline_iterations) | {a.train_iters}
@@ -273,7 +273,7 @@ class Trainer:
     # -- reporting --------------------------------------------------------------------------------------------
 
     def _report(self, recorder) -> dict:
-        from .runtime import last_schedule
+        from ..runtime import last_schedule
 
         a = self.args
         per_rank = {
@@ -285,7 +285,7 @@ class Trainer:
         dist.all_gather_object(gathered, per_rank)
         report: dict[str, Any] = {}
         if self.rank == 0:
-            from .trace.events import TimelineEvent
+            from ..schedule.events import TimelineEvent
 
             events = [TimelineEvent.from_dict(e) for g in gathered for e in g["events"]]
             times = self.iteration_times
@@ -304,7 +304,7 @@ class Trainer:
             }
             last = [e for e in events if e.iteration == a.train_iters]
             if last:
-                from .trace.metrics import iteration_metrics
+                from ..trace.metrics import iteration_metrics
 
                 measured = iteration_metrics(last, a.train_iters).to_dict()
                 peak_of = {m["rank"]: m["peak_bytes"] for m in report["memory"]}
@@ -321,7 +321,7 @@ class Trainer:
             if "measured" in report:
                 _log(self._measured_line(report["measured"], predicted))
             if a.timeline:
-                from .trace.chrome import write_chrome_trace
+                from ..trace.chrome import write_chrome_trace
 
                 wanted = set(a.timeline_iterations) or {a.train_iters}
                 write_chrome_trace([e for e in events if e.iteration in wanted], a.timeline,
@@ -350,8 +350,8 @@ class Trainer:
         return line
 
     def _comm_stats(self) -> dict:
-        from .runtime.forward_backward import last_run_stats
-        from .sharded.driver import link_stats
+        from ..runtime.forward_backward import last_run_stats
+        from ..sharded.driver import link_stats
 
         stats = link_stats(self.model).comm_stats()
         stats["pp_send_bytes"] = last_run_stats().get("pp_send_bytes", 0)
@@ -359,8 +359,8 @@ class Trainer:
         return stats
 
     def _memory_stats(self, recorder) -> dict:
-        from .runtime.forward_backward import last_run_stats
-        from .sharded.driver import memory_stats
+        from ..runtime.forward_backward import last_run_stats
+        from ..sharded.driver import memory_stats
 
         mem: dict[str, Any] = dict(memory_stats(self.model, self.optimizer))
         mem["rank"] = self.rank
@@ -375,7 +375,7 @@ class Trainer:
 
     def _prediction(self) -> dict | None:
         try:
-            from .sim.predict import predict_for_trainer
+            from ..sim.predict import predict_for_trainer
         except ImportError:
             return None
         return predict_for_trainer(self.args, self.iteration_times)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from .ddp import ShardedDataParallel, gathered_params
-from .finalize import finalize_model_grads
-from .optimizer import ShardedOptimizer
+from ..sharded.ddp import ShardedDataParallel, gathered_params
+from ..sharded.finalize import finalize_model_grads
+from ..sharded.optimizer import ShardedOptimizer
 
 DistributedDataParallel = ShardedDataParallel
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from .errors import TrainerConfigError
+from ..errors import TrainerConfigError
 
 ENV = "BFPP_FAULT_INJECT"
 KILL_POINTS = ("forward", "backward", "optimizer", "save")
@@ -122,7 +122,7 @@ _REPORT_WINDOW_S = 300.0  # a marker older than this belongs to an earlier run
 def is_config_error(e: BaseException) -> bool:
     """Whether `e` reports a bad configuration (the user's to fix from its message) rather than a bug."""
     from .checkpoint import CheckpointError
-    from .megatron.validation import ConfigError
+    from ..megatron.validation import ConfigError
 
     if isinstance(e, (TrainerConfigError, ConfigError)):
         return True

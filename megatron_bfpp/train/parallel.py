@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from .runtime.forward_backward import reset_runtime_groups
-from .runtime.p2p import channel_groups
+from ..runtime.forward_backward import reset_runtime_groups
+from ..runtime.p2p import channel_groups
 
 _P2P_GROUPS: dict[str, dist.ProcessGroup] | None = None
 _OWNS_DEFAULT_GROUP = False  # destroy_parallel only tears down a default group that init_parallel created
@@ -41,7 +41,7 @@ def _init_default_group(timeout: timedelta) -> None:
     if missing:
         raise RuntimeError(
             f"torch.distributed is not initialised and {', '.join(missing)} not set: launch under torchrun "
-            "(or `bfpp train --nproc-per-node N`), or call megatron_bfpp.parallel.init_single_process() "
+            "(or `bfpp train --nproc-per-node N`), or call megatron_bfpp.train.parallel.init_single_process() "
             "for a one-process run")
     backend = default_backend()
     if backend == "nccl":
@@ -124,7 +124,7 @@ def is_initialized() -> bool:
 
 def _check() -> None:
     if not is_initialized():
-        raise RuntimeError("parallel groups not initialised: call megatron_bfpp.parallel.init_parallel() first")
+        raise RuntimeError("parallel groups not initialised: call megatron_bfpp.train.parallel.init_parallel() first")
 
 
 def pp_rank() -> int:
@@ -171,7 +171,7 @@ def pp_p2p_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     _check()
     if _P2P_GROUPS is None:
         raise RuntimeError("p2p groups missing: Megatron's groups were initialised without "
-                           "megatron_bfpp.parallel.init_parallel(); call it instead")
+                           "megatron_bfpp.train.parallel.init_parallel(); call it instead")
     return _P2P_GROUPS["activations"], _P2P_GROUPS["gradients"]
 
 

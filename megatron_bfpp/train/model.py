@@ -244,7 +244,7 @@ class PipelinePosition:
 def _process_groups(pp_rank: int, pp_size: int, force_position: bool) -> ProcessGroupCollection:
     if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
         raise RuntimeError("Megatron's process groups are needed to build model chunks: call "
-                           "megatron_bfpp.parallel.init_parallel() (or init_single_process()) first")
+                           "megatron_bfpp.train.parallel.init_parallel() (or init_single_process()) first")
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     real = ps.get_pipeline_model_parallel_group()
     if not force_position and real.size() == pp_size:
@@ -480,7 +480,7 @@ def allreduce_tied_embedding_grads(chunks: Sequence[torch.nn.Module], group: Any
     embedding group, as Megatron's `_allreduce_word_embedding_grads`: `.main_grad` when the parameter has
     one (Megatron DDP), else `.grad`. A no-op where the group is None (P = 1: one Parameter; middle ranks)."""
     if group == "default":
-        from megatron_bfpp.parallel import embedding_group
+        from megatron_bfpp.train.parallel import embedding_group
 
         group = embedding_group()
     if group is None or dist.get_world_size(group) == 1:

@@ -12,10 +12,10 @@ import io
 import os
 import sys
 
-from .errors import TrainerConfigError
-from .megatron.validation import megatron_flag_text
-from .schedule import ScheduleError, build
-from .schedule.ir import GROUPED_SCHEDULES, SCHEDULE_NAMES
+from ..errors import TrainerConfigError
+from ..megatron.validation import megatron_flag_text
+from ..schedule import ScheduleError, build
+from ..schedule.ir import GROUPED_SCHEDULES, SCHEDULE_NAMES
 
 SUPPORTED_MEGATRON_CORE = ((0, 19),)
 DEFAULT_MOCK_VOCAB = 1024
@@ -41,7 +41,7 @@ def _escape_bare_percent_in_help(parser: argparse.ArgumentParser) -> None:
 
 def trainer_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The plugin's flags (as in the Megatron-LM integration) with trainer defaults, plus trainer-only flags."""
-    from .megatron.flags import add_arguments
+    from ..megatron.flags import add_arguments
 
     add_arguments(parser)
     _escape_bare_percent_in_help(parser)
@@ -175,7 +175,7 @@ def check_trainer_args(a: argparse.Namespace, world_size: int) -> None:
 
 
 def _check_fault_handling_args(a: argparse.Namespace) -> None:
-    """Checkpoint, timeout and fault-injection settings (megatron_bfpp.checkpoint, megatron_bfpp.faults)."""
+    """Checkpoint, timeout and fault-injection settings (megatron_bfpp.train.checkpoint, megatron_bfpp.train.faults)."""
     from .checkpoint import CheckpointError, check_load_args
     from .faults import ENV, parse_fault_spec
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from ..schedule.ir import COMPUTE_OPS, DP_OPS, Action, Op
+from .ir import COMPUTE_OPS, DP_OPS, Action, Op
 
 Stream = Literal["compute", "p2p", "dp"]
 STREAMS: tuple[Stream, ...] = ("compute", "p2p", "dp")

@@ -1,7 +1,7 @@
 """The single-process reference that pipeline runs are checked against.
 
-The whole model as ONE chunk (P = V = 1), the same keyed init as every layout (megatron_bfpp.model), the same
-forward step and loss (megatron_bfpp.data), and Megatron's schedule normalisation: each micro-batch's
+The whole model as ONE chunk (P = V = 1), the same keyed init as every layout (megatron_bfpp.train.model), the same
+forward step and loss (megatron_bfpp.train.data), and Megatron's schedule normalisation: each micro-batch's
 backward runs on loss_sum / num_tokens / N, N = number of micro-batches of the iteration. Passing the whole
 global batch (all D*M micro-batches) therefore gives the gradient that data parallelism averages to.
 
@@ -20,8 +20,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer import TransformerConfig
 
-from megatron_bfpp.data import gpt_forward_step
-from megatron_bfpp.model import build_model_chunks, global_named_parameters
+from megatron_bfpp.train.data import gpt_forward_step
+from megatron_bfpp.train.model import build_model_chunks, global_named_parameters
 
 
 @dataclass
@@ -57,8 +57,8 @@ def _ensure_groups() -> None:
     if not dist.is_initialized() or not ps.model_parallel_is_initialized():
         if dist.is_initialized() and dist.get_world_size() > 1:
             raise RuntimeError("torch.distributed is initialised without Megatron's groups: call "
-                               "megatron_bfpp.parallel.init_parallel() first")
-        from megatron_bfpp.parallel import init_single_process
+                               "megatron_bfpp.train.parallel.init_parallel() first")
+        from megatron_bfpp.train.parallel import init_single_process
 
         init_single_process()
 

@@ -4,7 +4,7 @@ The flags are checked here first, once (the workers' own check then passes): a b
 `error: ...` line and exit status 2, without starting any worker. torchrun's elastic agent starts the workers,
 tears the others down when one fails, and reports the first failure (its rank and exit code) as the root
 cause; a configuration error found by the workers (exit status 2) was printed once by the worker that found
-it (megatron_bfpp.faults), and the launcher then only says so.
+it (megatron_bfpp.train.faults), and the launcher then only says so.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _free_port() -> int:
 def check_flags(argv: list[str], nproc_per_node: int) -> str | None:
     """The trainer's checks on `argv` for a world of `nproc_per_node` processes, in this process (no process
     group); the error message, or None. The environment is left as it was."""
-    from .train_config import TrainerConfigError, parse_trainer_args
+    from .config import TrainerConfigError, parse_trainer_args
 
     saved = dict(os.environ)
     try:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if ours.help:
         p.print_help()
         print()
-        from .train import main as train_main
+        from .loop import main as train_main
 
         return train_main(["--help"])
     if ours.nproc_per_node < 1:
