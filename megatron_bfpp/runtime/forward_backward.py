@@ -21,7 +21,7 @@ from ..sharded.ddp import ShardedDataParallel
 from ..sharded.driver import ShardedDriver
 from .executor import PipelineError, ScheduleExecutor
 from .hooks import DataParallelDriver, MegatronConfigDriver
-from .p2p import PipelineP2P, forget_channel_groups
+from .p2p import PipelineP2P, channel_groups
 from .recorder import ActionRecorder
 from .split_backward import splits_by_deferral, writes_main_grad_at_input_grad
 
@@ -42,7 +42,7 @@ def set_wait_timeout(seconds: float | None) -> None:
 def reset_runtime_groups() -> None:
     """Forget cached channel groups, transfer objects and agreed schedules (call when the process groups are
     destroyed)."""
-    forget_channel_groups()
+    channel_groups.forget()
     _state["p2p"].clear()
     _state["agreed"].clear()
 

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# The communicators a schedule's p2p actions name (`Action.comm`).
+# The channels a schedule's p2p actions name (`Action.channel`), one process group each.
 CHANNELS = ("activations", "gradients")
-_CHANNEL_CACHE: dict[tuple[int, ...], dict[str, dist.ProcessGroup]] = {}
 
 
 def pipeline_ranks(pp_group: dist.ProcessGroup | None) -> list[int]:
@@ -67,76 +66,68 @@ def _pipeline_pg_options(pp_group: dist.ProcessGroup, timeout: datetime.timedelt
     return fresh_nccl_options(live, timeout=timeout)
 
 
-def channel_groups(pp_group: dist.ProcessGroup, timeout_s: float | None = None,
-                   device: torch.device | None = None) -> dict[str, dist.ProcessGroup]:
-    """{"activations": group, "gradients": group} over the ranks of `pp_group`, created once on every rank.
+class ChannelGroups:
+    """The owner of the channel process groups: per pipeline (its global ranks), {"activations": group,
+    "gradients": group}, created on the first request and kept until `forget` (when the process groups are
+    destroyed). The process has one, `channel_groups`: the runtime's p2p and the trainer's eager creation share it,
+    so each pipeline's pair is created once."""
 
-    `new_group` is collective over the whole world, so all pipeline groups' rank lists are exchanged first and
-    every rank creates every pair in the same order. The groups take the given timeout (default:
-    torch's; Megatron-LM's --distributed-timeout-minutes arrives through `runtime.set_wait_timeout`, set by
-    `megatron_bfpp.megatron.install`) and the pipeline group's NCCL options (a fresh copy per group, with that
-    timeout). One all-reduce on each new group
-    initialises its communicator on all ranks (a collective and a coalesced p2p use the same one, keyed by device):
-    torch requires every rank of a group to take part in its first batched p2p call (`batch_isend_irecv`'s
-    docstring), which a schedule's batch between two of P ranks would not, and every post is one (`coalesced`).
-    """
-    mine = tuple(pipeline_ranks(pp_group))
-    if mine in _CHANNEL_CACHE:
-        return _CHANNEL_CACHE[mine]
-    all_lists: list = [None] * dist.get_world_size()
-    dist.all_gather_object(all_lists, mine)
-    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    def __init__(self) -> None:
+        self._pairs: dict[tuple[int, ...], dict[str, dist.ProcessGroup]] = {}
 
-    def group_kwargs() -> dict:
-        """new_group's options for one group: its own fresh NCCL options object (torch writes the group's name
-        and ranks into it), whose timeout agrees with the group's (torch warns on every rank for each group
-        otherwise): the given one in both, or else the options' default (torch's NCCL default) passed on."""
-        kwargs: dict = {} if timeout is None else {"timeout": timeout}
-        options = _pipeline_pg_options(pp_group, timeout)
-        if options is not None:
-            kwargs["pg_options"] = options
-            kwargs.setdefault("timeout", options._timeout)
-        return kwargs
+    def get(self, pp_group: dist.ProcessGroup, timeout_s: float | None = None,
+            device: torch.device | None = None) -> dict[str, dist.ProcessGroup]:
+        """{"activations": group, "gradients": group} over the ranks of `pp_group`, created once on every rank.
 
-    backend = dist.get_backend(pp_group)
-    for ranks in sorted(set(all_lists)):
-        pair = {name: dist.new_group(list(ranks), backend=backend, **group_kwargs()) for name in CHANNELS}
-        if ranks == mine:
-            _CHANNEL_CACHE[mine] = pair
-    dev = device
-    if dev is None:  # the process group's backend decides: NCCL works on the current CUDA device
-        dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    for group in _CHANNEL_CACHE[mine].values():
-        dist.all_reduce(torch.zeros(1, device=dev), group=group)
-    return _CHANNEL_CACHE[mine]
+        `new_group` is collective over the whole world, so all pipeline groups' rank lists are exchanged first and
+        every rank creates every pair in the same order. The groups take the given timeout (default:
+        torch's; Megatron-LM's --distributed-timeout-minutes arrives through `runtime.set_wait_timeout`, set by
+        `megatron_bfpp.megatron.install`) and the pipeline group's NCCL options (a fresh copy per group, with that
+        timeout). One all-reduce on each new group initialises its communicator on all ranks (a collective and a
+        coalesced p2p use the same one, keyed by device): torch requires every rank of a group to take part in its
+        first batched p2p call (`batch_isend_irecv`'s docstring), which a schedule's batch between two of P ranks
+        would not, and every post is one (`PipelineP2P.post`).
+        """
+        mine = tuple(pipeline_ranks(pp_group))
+        if mine in self._pairs:
+            return self._pairs[mine]
+        all_lists: list = [None] * dist.get_world_size()
+        dist.all_gather_object(all_lists, mine)
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+
+        def group_kwargs() -> dict:
+            """new_group's options for one group: its own fresh NCCL options object (torch writes the group's name
+            and ranks into it), whose timeout agrees with the group's (torch warns on every rank for each group
+            otherwise): the given one in both, or else the options' default (torch's NCCL default) passed on."""
+            kwargs: dict = {} if timeout is None else {"timeout": timeout}
+            options = _pipeline_pg_options(pp_group, timeout)
+            if options is not None:
+                kwargs["pg_options"] = options
+                kwargs.setdefault("timeout", options._timeout)
+            return kwargs
+
+        backend = dist.get_backend(pp_group)
+        for ranks in sorted(set(all_lists)):
+            pair = {name: dist.new_group(list(ranks), backend=backend, **group_kwargs()) for name in CHANNELS}
+            if ranks == mine:
+                self._pairs[mine] = pair
+        dev = device
+        if dev is None:  # the process group's backend decides: NCCL works on the current CUDA device
+            dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        for group in self._pairs[mine].values():
+            dist.all_reduce(torch.zeros(1, device=dev), group=group)
+        return self._pairs[mine]
+
+    def created(self, pp_group: dist.ProcessGroup) -> dict[str, dist.ProcessGroup] | None:
+        """The pair over the ranks of `pp_group` if it has been created, else None (no collective)."""
+        return self._pairs.get(tuple(pipeline_ranks(pp_group)))
+
+    def forget(self) -> None:
+        """Drop every pair (their process groups are being destroyed)."""
+        self._pairs.clear()
 
 
-def forget_channel_groups() -> None:
-    """Forget the cached channel groups (their process groups are being destroyed)."""
-    _CHANNEL_CACHE.clear()
-
-
-def coalesced(ops_in_post: int) -> bool:
-    """Whether `PipelineP2P.post` posts a post of `ops_in_post` ops (one schedule action, or one batch) inside a
-    coalescing group, i.e. as one `batch_isend_irecv`: always, a lone op too. The lowering batches per rank, so one
-    transfer can be a batch on one end and alone on the other; with every post coalesced, both ends run it on the
-    channel group's communicator (`nccl_communicator`), which is what `schedule/validate.py` assumes."""
-    return True
-
-
-def nccl_communicator(channel: str, rank: int, peer: int, in_coalescing_group: bool) -> str:
-    """Name of the NCCL communicator torch 2.14 runs one p2p op of `rank` with `peer` on, for a group created
-    without a bound device (lazy initialisation, what Megatron-LM's `initialize` and `bfpp train` create).
-
-    `batch_isend_irecv` (torch/distributed/distributed_c10d.py) issues its ops inside `_coalescing_manager`, which
-    calls `ProcessGroupNCCL._start_coalescing` and so opens an NCCL group (a 1-op list too: there is no special
-    case); `ProcessGroupNCCL::pointToPoint` (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp) inside a group
-    keys the communicator by device, i.e. the group's own over all its ranks; a lone `isend`/`irecv` outside one
-    is keyed by `getKeySendRecv` ("lowRank:highRank") and gets a 2-rank communicator of its own. The two
-    ends of a transfer meet only when both run it on one communicator."""
-    if in_coalescing_group:
-        return channel
-    return f"{channel}[{min(rank, peer)}:{max(rank, peer)}]"
+channel_groups = ChannelGroups()
 
 
 @dataclass
@@ -153,7 +144,7 @@ class PipelineP2P:
         self.ranks = pipeline_ranks(pp_group)
         self.size = len(self.ranks)
         self.device = device
-        self.groups = channel_groups(pp_group, timeout_s, device) if self.size > 1 else {}
+        self.groups = channel_groups.get(pp_group, timeout_s, device) if self.size > 1 else {}
         self.backend = dist.get_backend(pp_group) if self.size > 1 else None
         self.sent_bytes = 0
 
@@ -168,7 +159,7 @@ class PipelineP2P:
 
     def _group(self, channel: str) -> dist.ProcessGroup:
         if channel not in self.groups:
-            raise ValueError(f"schedule names communicator {channel!r}; this runtime has {', '.join(CHANNELS)}")
+            raise ValueError(f"schedule names channel {channel!r}; this runtime has {', '.join(CHANNELS)}")
         return self.groups[channel]
 
     def send_op(self, tensor: torch.Tensor, to_pipeline_rank: int, channel: str) -> tuple[dist.P2POp, PendingTransfer]:
@@ -184,11 +175,12 @@ class PipelineP2P:
         return dist.P2POp(dist.irecv, buf, peer, self._group(channel)), PendingTransfer(None, buf, peer)
 
     def post(self, ops: list[tuple[dist.P2POp, PendingTransfer]]) -> None:
-        """Post the ops of one action or one batch of the schedule, in order, as one `batch_isend_irecv` call."""
-        if coalesced(len(ops)):
-            works = dist.batch_isend_irecv([op for op, _ in ops])
-        else:  # outside a coalescing group: each op alone (see `coalesced`)
-            works = [op.op(op.tensor, op.peer, group=op.group) for op, _ in ops]
+        """Post the ops of one action or one batch of the schedule, in order, as one `batch_isend_irecv` call, a
+        lone op too. The lowering batches per rank, so one transfer can be a batch on one end and alone on the
+        other: under NCCL's lazy initialisation torch runs a batch on the channel group's own communicator but a
+        lone isend/irecv on a 2-rank one of the pair, where the two ends would never meet. Coalesced, both ends use
+        the group's, which is what `schedule/validate.py` assumes."""
+        works = dist.batch_isend_irecv([op for op, _ in ops])
         for k, (_, pending) in enumerate(ops):
             # NCCL returns one work for the whole coalesced group, gloo one per op.
             pending.work = works[k] if len(works) == len(ops) else works[-1]

@@ -12,8 +12,8 @@ completes under event simulations of the backends:
   `single_queue` (CUDA_DEVICE_MAX_CONNECTIONS=1) everything a rank posts runs in one queue, in order.
   A communicator is an action's `comm`, one queue for lone actions and batches alike: exactly what the runtime
   does, which posts every post as one `batch_isend_irecv` on the channel's process group, so that NCCL runs a
-  lone op on the group's communicator too and not on a 2-rank one of its own (`runtime/p2p.py`, `coalesced` and
-  `nccl_communicator`).
+  lone op on the group's communicator too and not on a 2-rank one of its own (`runtime/p2p.py`,
+  `PipelineP2P.post`).
 Errors name the rank, the step (index in the rank's list), the action and, for deadlocks, the cycle.
 """
 

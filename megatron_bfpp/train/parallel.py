@@ -6,25 +6,35 @@ with T = 1, global rank = pp_rank * D + dp_rank.
 
 Besides Megatron's groups, `init_parallel` creates two extra groups over every pipeline's ranks, one for
 activations and one for gradients, so the two p2p channels never share a communicator (on NCCL each group
-has its own stream). They are created eagerly, collectively and in the same order on all ranks.
+has its own stream). They are created eagerly, collectively and in the same order on all ranks, in the
+runtime's `channel_groups`, which owns them.
 """
 
 from __future__ import annotations
 
 import os
 import random
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ..runtime.forward_backward import reset_runtime_groups
-from ..runtime.p2p import channel_groups
+from ..runtime import channel_groups, reset_runtime_groups
 
-_P2P_GROUPS: dict[str, dist.ProcessGroup] | None = None
-_OWNS_DEFAULT_GROUP = False  # destroy_parallel only tears down a default group that init_parallel created
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class _Ownership:
+    """What this module created, and so `destroy_parallel` tears down: Megatron's groups always; the default
+    group only when `init_parallel` or `init_single_process` started it."""
+
+    default_group: bool = False
+
+
+_OWNED = _Ownership()
 
 
 def default_backend() -> str:
@@ -36,7 +46,6 @@ def _timeout(minutes: float, seconds: float | None) -> timedelta:
 
 
 def _init_default_group(timeout: timedelta) -> None:
-    global _OWNS_DEFAULT_GROUP
     missing = [v for v in _ENV_VARS if v not in os.environ]
     if missing:
         raise RuntimeError(
@@ -48,7 +57,7 @@ def _init_default_group(timeout: timedelta) -> None:
         # The device must be chosen before the first NCCL call, from torchrun's LOCAL_RANK.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timeout)
-    _OWNS_DEFAULT_GROUP = True
+    _OWNED.default_group = True
 
 
 def init_parallel(
@@ -63,7 +72,6 @@ def init_parallel(
     gloo on CPU, NCCL on GPU (device set from LOCAL_RANK). `distributed_timeout_seconds`, when given, overrides
     the minutes (tests use short timeouts so that a bug fails instead of hanging).
     """
-    global _P2P_GROUPS
     timeout = _timeout(distributed_timeout_minutes, distributed_timeout_seconds)
     if not dist.is_initialized():
         _init_default_group(timeout)
@@ -87,7 +95,7 @@ def init_parallel(
         distributed_timeout_minutes=timeout.total_seconds() / 60,
     )
     # The runtime's activation/gradient channels, created now (collectively, same order on every rank).
-    _P2P_GROUPS = channel_groups(ps.get_pipeline_model_parallel_group(), timeout.total_seconds())
+    channel_groups.get(ps.get_pipeline_model_parallel_group(), timeout.total_seconds())
 
 
 def init_single_process(distributed_timeout_seconds: float = 300) -> None:
@@ -95,11 +103,10 @@ def init_single_process(distributed_timeout_seconds: float = 300) -> None:
 
     For references and tools that run without torchrun; Megatron's layers need its groups to exist.
     """
-    global _OWNS_DEFAULT_GROUP
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timedelta(seconds=distributed_timeout_seconds))
-        _OWNS_DEFAULT_GROUP = True
+        _OWNED.default_group = True
     elif dist.get_world_size() != 1:
         raise RuntimeError("init_single_process() called inside a multi-process world; use init_parallel()")
     if not ps.model_parallel_is_initialized():
@@ -108,14 +115,12 @@ def init_single_process(distributed_timeout_seconds: float = 300) -> None:
 
 def destroy_parallel() -> None:
     """Tear down Megatron's groups, our p2p groups, and the default group if init_parallel created it."""
-    global _P2P_GROUPS, _OWNS_DEFAULT_GROUP
-    _P2P_GROUPS = None
     reset_runtime_groups()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    if _OWNS_DEFAULT_GROUP and dist.is_initialized():
+    if _OWNED.default_group and dist.is_initialized():
         dist.destroy_process_group()
-    _OWNS_DEFAULT_GROUP = False
+    _OWNED.default_group = False
 
 
 def is_initialized() -> bool:
@@ -169,10 +174,11 @@ def embedding_group() -> dist.ProcessGroup | None:
 def pp_p2p_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(activation_group, gradient_group): two groups over this rank's pipeline, created by init_parallel."""
     _check()
-    if _P2P_GROUPS is None:
+    groups = channel_groups.created(ps.get_pipeline_model_parallel_group())
+    if groups is None:
         raise RuntimeError("p2p groups missing: Megatron's groups were initialised without "
                            "megatron_bfpp.train.parallel.init_parallel(); call it instead")
-    return _P2P_GROUPS["activations"], _P2P_GROUPS["gradients"]
+    return groups["activations"], groups["gradients"]
 
 
 def set_seed(seed: int) -> None:

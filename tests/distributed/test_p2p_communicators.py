@@ -2,10 +2,10 @@
 options.
 
 Under NCCL's lazy initialisation torch runs a lone isend/irecv on a 2-rank communicator of the pair and a
-batch_isend_irecv on the group's own (`runtime.p2p.nccl_communicator`); the lowering batches per rank, so a
-transfer can be a batch on one end and alone on the other. The runtime posts every post coalesced
-(`runtime.p2p.coalesced`); these tests check that over every schedule's JSON form, and on gloo under strict mode,
-which records what the runtime hands to torch.
+batch_isend_irecv on the group's own (`tests.support.strict_p2p.nccl_communicator`); the lowering batches per
+rank, so a transfer can be a batch on one end and alone on the other. The runtime posts every post coalesced
+(`runtime.p2p.PipelineP2P.post`); these tests check that over every schedule's JSON form, and on gloo under strict
+mode, which records what the runtime hands to torch.
 """
 
 from __future__ import annotations
@@ -22,16 +22,17 @@ from megatron_bfpp.runtime import p2p
 from megatron_bfpp.schedule import SCHEDULE_NAMES, ScheduleError, build, lower, to_json
 from tests.support import toy_pipeline as toy
 from tests.support.distributed import run_distributed
-from tests.support.strict_p2p import strict_p2p
+from tests.support.strict_p2p import nccl_communicator, strict_p2p
 
 P2P = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 DEFAULT_COMM = {"SEND_F": "activations", "RECV_F": "activations", "SEND_B": "gradients", "RECV_B": "gradients"}
 
 
-def _transfer_ends(d: dict, coalesced=p2p.coalesced) -> dict[tuple[str, int, int], list[str]]:
+def _transfer_ends(d: dict, lone_ops_alone: bool = False) -> dict[tuple[str, int, int], list[str]]:
     """From a schedule's JSON form: each transfer (kind, producing stage, micro-batch) -> the communicator each end
     runs it on, when each rank posts its actions as the runtime does (one post per action, or per run of
-    consecutive actions with one `batch` value) and `coalesced` decides how a post reaches torch."""
+    consecutive actions with one `batch` value), each post one batch_isend_irecv; with `lone_ops_alone`, a post of
+    one op as an isend/irecv of its own instead (the runtime's former rule)."""
     pp, num_stages = d["pp"], d["pp"] * d["vp"]
     ends: dict[tuple[str, int, int], list[str]] = {}
     for rank, acts in enumerate(d["ranks"]):
@@ -49,7 +50,8 @@ def _transfer_ends(d: dict, coalesced=p2p.coalesced) -> dict[tuple[str, int, int
                 consumer = producer + 1 if op.endswith("F") else producer - 1
                 assert 0 <= producer < num_stages and 0 <= consumer < num_stages
                 peer = (consumer if op.startswith("SEND") else producer) % pp
-                comm = p2p.nccl_communicator(a.get("channel") or DEFAULT_COMM[op], rank, peer, coalesced(j - i))
+                coalesced = not (lone_ops_alone and j - i == 1)
+                comm = nccl_communicator(a.get("channel") or DEFAULT_COMM[op], rank, peer, coalesced)
                 ends.setdefault((op[-1], producer, m), []).append(comm)
             i = j
     return ends
@@ -62,8 +64,8 @@ def _layouts(name: str, pp: int):
             yield vp, m
 
 
-def _mismatches(d: dict, coalesced=p2p.coalesced) -> list:
-    ends = _transfer_ends(d, coalesced)
+def _mismatches(d: dict, lone_ops_alone: bool = False) -> list:
+    ends = _transfer_ends(d, lone_ops_alone)
     assert ends and all(len(e) == 2 for e in ends.values())  # one send and one receive per transfer
     return [(t, e) for t, e in ends.items() if e[0] != e[1]]
 
@@ -95,7 +97,7 @@ def test_a_lone_op_meeting_a_batch_is_seen(subprocesses):
                           "--microbatches", "8", "--lowered", "--format", "json"], capture_output=True, text=True, check=True)
     d = json.loads(out.stdout)
     assert _mismatches(d) == []
-    bad = dict(_mismatches(d, coalesced=lambda n: n > 1))
+    bad = dict(_mismatches(d, lone_ops_alone=True))
     assert bad[("F", 0, 1)] == ["activations[0:1]", "activations"]
 
 
@@ -108,7 +110,7 @@ def _lone_meets_batch(link: p2p.PipelineP2P, rank: int, prefix: str) -> str:
     else:
         posts = [[link.recv_op((2,), torch.float32, 0, "activations"), link.send_op(torch.ones(2), 0, "activations")]]
     result, done = "completed", 0
-    with strict_p2p(timeout_s=3, prefix=prefix):
+    with strict_p2p(timeout_s=3, prefix=prefix, p2p_class=type(link)):
         try:
             for ops in posts:
                 done += 1
@@ -123,14 +125,24 @@ def _lone_meets_batch(link: p2p.PipelineP2P, rank: int, prefix: str) -> str:
     return result
 
 
+class _LoneOpsAlone(p2p.PipelineP2P):
+    """The runtime's former rule: a post of one op is an isend/irecv of its own, outside a coalescing group."""
+
+    def post(self, ops: list) -> None:
+        if len(ops) > 1:
+            super().post(ops)
+            return
+        (op, pending), = ops
+        pending.work = op.op(op.tensor, op.peer, group=op.group)
+
+
 def _lone_meets_batch_worker(rank: int, world: int) -> tuple[str, str]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    link = p2p.PipelineP2P(dist.new_group([0, 1]), torch.device("cpu"))
-    now = _lone_meets_batch(link, rank, "now")
-    p2p.coalesced = lambda n: n > 1  # the runtime's former rule: a post of one op is an isend/irecv of its own
-    return now, _lone_meets_batch(link, rank, "before")
+    pp_group = dist.new_group([0, 1])
+    now = _lone_meets_batch(p2p.PipelineP2P(pp_group, torch.device("cpu")), rank, "now")
+    return now, _lone_meets_batch(_LoneOpsAlone(pp_group, torch.device("cpu")), rank, "before")
 
 
 @pytest.mark.timeout(300)

@@ -8,7 +8,7 @@ send and the k-th receive of one (NCCL communicator, source, destination), annou
 
 The communicator is the one NCCL would run the op on, given how the runtime handed it to torch: inside
 `batch_isend_irecv` (a coalescing group) the channel group's own, otherwise a 2-rank communicator of the pair
-(`megatron_bfpp.runtime.p2p.nccl_communicator`, which cites torch). The context records which ops go through
+(`nccl_communicator`, which cites torch). The context records which ops go through
 `torch.distributed.batch_isend_irecv`, so a transfer posted alone on one end and in a batch on the other never
 finds its partner. An order that would deadlock on NCCL ends in a store timeout naming the op that waited.
 """
@@ -18,18 +18,36 @@ from __future__ import annotations
 import contextlib
 import datetime
 from typing import Iterator
+from unittest import mock
 
 import torch.distributed as dist
 
-from megatron_bfpp.runtime.p2p import PipelineP2P, nccl_communicator
+from megatron_bfpp.runtime.p2p import PipelineP2P
+
+
+def nccl_communicator(channel: str, rank: int, peer: int, in_coalescing_group: bool) -> str:
+    """Name of the NCCL communicator torch 2.14 runs one p2p op of `rank` with `peer` on, for a group created
+    without a bound device (lazy initialisation, what Megatron-LM's `initialize` and `bfpp train` create).
+
+    `batch_isend_irecv` (torch/distributed/distributed_c10d.py) issues its ops inside `_coalescing_manager`, which
+    calls `ProcessGroupNCCL._start_coalescing` and so opens an NCCL group (a 1-op list too: there is no special
+    case); `ProcessGroupNCCL::pointToPoint` (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp) inside a group
+    keys the communicator by device, i.e. the group's own over all its ranks; a lone `isend`/`irecv` outside one
+    is keyed by `getKeySendRecv` ("lowRank:highRank") and gets a 2-rank communicator of its own. The two
+    ends of a transfer meet only when both run it on one communicator."""
+    if in_coalescing_group:
+        return channel
+    return f"{channel}[{min(rank, peer)}:{max(rank, peer)}]"
 
 
 @contextlib.contextmanager
-def strict_p2p(timeout_s: float = 60.0, prefix: str = "strict") -> Iterator[None]:
-    """Within the context, p2p posts wait for their partners. Every rank must enter it with the same `prefix`,
-    unique among the contexts of one job (the store keys count messages from the context's start)."""
+def strict_p2p(timeout_s: float = 60.0, prefix: str = "strict",
+               p2p_class: type[PipelineP2P] = PipelineP2P) -> Iterator[None]:
+    """Within the context, posts of `p2p_class` (the runtime's, or a test's variant of it) wait for their
+    partners. Every rank must enter it with the same `prefix`, unique among the contexts of one job (the store
+    keys count messages from the context's start)."""
     counters: dict[tuple[str, int, int, str], int] = {}
-    original_post = PipelineP2P.post
+    original_post = p2p_class.post
     original_batch = dist.batch_isend_irecv
     in_batch: set[int] = set()  # ids of the ops of the current post that went through batch_isend_irecv
 
@@ -60,10 +78,5 @@ def strict_p2p(timeout_s: float = 60.0, prefix: str = "strict") -> Iterator[None
                                f"(this posting order deadlocks under NCCL rendezvous, or the two ends of a "
                                f"transfer use different communicators): {e}") from e
 
-    PipelineP2P.post = post  # type: ignore[method-assign]
-    dist.batch_isend_irecv = batch_isend_irecv
-    try:
+    with mock.patch.object(p2p_class, "post", post), mock.patch.object(dist, "batch_isend_irecv", batch_isend_irecv):
         yield
-    finally:
-        PipelineP2P.post = original_post  # type: ignore[method-assign]
-        dist.batch_isend_irecv = original_batch

@@ -6,7 +6,7 @@ will always override it" whenever the options' `_timeout` differs from the group
 torch's NCCL default (10 minutes), so a channel group created with another timeout (Megatron-LM's
 --distributed-timeout-minutes, the plugin trainer's 30 minutes) warned once per group on every rank.
 
-These tests run `channel_groups` in this process with torch's own `ProcessGroupNCCL.Options` and hand what it
+These tests run `ChannelGroups.get` in this process with torch's own `ProcessGroupNCCL.Options` and hand what it
 passes to `new_group` to torch's own backend creator (its process-group class replaced by a recorder: no NCCL
 communicator, no GPU).
 """
@@ -65,9 +65,7 @@ def nccl_pipeline(monkeypatch):
                         lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * len(out)))
     monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: calls.append(kw) or SimpleNamespace(ranks=ranks))
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **kw: None)
-    p2p.forget_channel_groups()
-    yield pp_group, live, calls
-    p2p.forget_channel_groups()
+    return pp_group, live, calls
 
 
 @pytest.mark.parametrize("timeout_s", [1800.0, 90.0, None])
@@ -75,7 +73,7 @@ def test_channel_groups_options_carry_the_groups_timeout(nccl_pipeline, timeout_
     """Each channel group gets fresh options (the pipeline group's settings) whose _timeout is the group's, so
     torch's creator does not warn; without a timeout, torch's NCCL default in both."""
     pp_group, live, calls = nccl_pipeline
-    groups = p2p.channel_groups(pp_group, timeout_s=timeout_s, device=torch.device("cpu"))
+    groups = p2p.ChannelGroups().get(pp_group, timeout_s=timeout_s, device=torch.device("cpu"))
     assert set(groups) == set(p2p.CHANNELS) and len(calls) == len(p2p.CHANNELS)
     want = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else c10d._get_default_timeout("nccl")
     for kwargs in calls:
