@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from .ir import COMPUTE_OPS, DP_OPS, Action, Op
+from .ir import COMPUTE_OPS, DP_OPS, Op
 
 Stream = Literal["compute", "p2p", "dp"]
 STREAMS: tuple[Stream, ...] = ("compute", "p2p", "dp")
@@ -42,8 +42,3 @@ def stream_of(op: Op) -> Stream:
     if op in DP_OPS:
         return "dp"
     return "p2p"
-
-
-def event_for(action: Action, rank: int, start: float, end: float, iteration: int = 0) -> TimelineEvent:
-    return TimelineEvent(rank, stream_of(action.op), action.key, action.op.value, action.stage,
-                         action.microbatch, start, end, iteration)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
@@ -98,15 +98,6 @@ class FlatLayout:
     def pieces(self, rank: int) -> list[ShardPiece]:
         """Every parameter piece in `rank`'s shard, in buffer order."""
         return [p for p in (self.piece(s, rank) for s in self.slots) if p is not None]
-
-    def pieces_of(self, slot: ParamSlot) -> Iterator[tuple[int, ShardPiece]]:
-        """(rank, piece) for every rank holding part of `slot`."""
-        first = slot.start // self.shard_numel
-        last = (slot.end - 1) // self.shard_numel if slot.numel else first
-        for r in range(first, min(last, self.dp_size - 1) + 1):
-            p = self.piece(slot, r)
-            if p is not None:
-                yield r, p
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -312,11 +303,6 @@ class FlatParamBuffer(_CountedFull):
     @property
     def shard_bytes(self) -> int:
         return self.shard.numel() * self.shard.element_size()
-
-    def param_view_of_shard(self, piece: ShardPiece, shard: torch.Tensor | None = None) -> torch.Tensor:
-        """The flat slice of `shard` (default: this rank's parameter shard) holding `piece`."""
-        s = self.shard if shard is None else shard
-        return s[piece.shard_lo : piece.shard_hi]
 
 
 class FlatGradBuffer(_CountedFull):

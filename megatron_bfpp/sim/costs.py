@@ -64,11 +64,6 @@ def gemm_time(hw: Hardware, m: float, k: float, n: float, count: int = 1) -> flo
     return count * (t + hw.kernel_overhead_s)
 
 
-def achieved_efficiency(hw: Hardware, m: float, k: float, n: float) -> float:
-    """Fraction of peak FLOP/s one GEMM reaches under the model (for documentation and tests)."""
-    return 2.0 * m * k * n / gemm_time(hw, m, k, n) / hw.peak_flops
-
-
 def ring_time(hw: Hardware, nbytes: float, n_in: int, n_out: int, kind: str) -> float:
     """Hierarchical ring all-gather / reduce-scatter / all-reduce of a tensor of `nbytes` (full size) over
     n_in ranks per node (NVLink) times n_out nodes (InfiniBand, 1/n_in of the data per NIC)."""

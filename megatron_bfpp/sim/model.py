@@ -45,9 +45,6 @@ class GPTModel:
     def head_params(self) -> int:
         return self.vocab_size * self.hidden_size + 2 * self.hidden_size  # output layer + final LayerNorm
 
-    def num_params(self) -> int:
-        return self.num_layers * self.layer_params() + self.embedding_params() + self.head_params()
-
     # --- FLOPs per micro-batch of b sequences (whole model, before tensor parallelism) ---
     def layer_forward_flops(self, b: int) -> float:
         h, s, f = self.hidden_size, self.seq_length, self.ffn
@@ -222,14 +219,6 @@ class Partition:
 
     def rank_params(self, rank: int) -> float:
         return sum(self.stage_params(rank + c * self.pp) for c in range(self.vp))
-
-    def stage_forward_flops(self, s: int, b: int) -> float:
-        """Forward FLOPs of stage s on one micro-batch, per GPU."""
-        st = self.stage(s)
-        f = st.layers * self.model.layer_forward_flops(b)
-        if st.last:
-            f += self.model.head_forward_flops(b)
-        return f / self.tp
 
     def activation_bytes(self, s: int, b: int, recompute: bool) -> float:
         """Bytes kept from the forward of (stage s, one micro-batch) until its backward, per GPU."""

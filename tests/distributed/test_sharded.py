@@ -473,7 +473,7 @@ def test_layout_shards_are_equal_aligned_and_cover_each_parameter_once(shapes, d
     assert lay.shard_numel % shard_align == 0 and lay.padded_numel == dp * lay.shard_numel >= lay.numel
     for slot in lay.slots:
         assert slot.start % param_align == 0
-        pieces = list(lay.pieces_of(slot))
+        pieces = [(r, p) for r in range(dp) if (p := lay.piece(slot, r)) is not None]
         assert sum(p.numel for _, p in pieces) == slot.numel
         covered = [(p.param_lo, p.param_hi) for _, p in pieces]
         assert covered[0][0] == 0 and covered[-1][1] == slot.numel
