@@ -178,13 +178,13 @@ class ScheduleExecutor:
             if a.op == Op.SEND_F:
                 key, dst = (a.stage, a.microbatch), self.schedule.rank_of(a.stage + 1)
                 tensor = self.outputs[key] if not self.forward_only else self.local_activation.pop(key)
-                ops.append((a, dst, self.p2p.send_op(tensor, dst, a.comm)))
+                ops.append((a, dst, self.p2p.send_op(tensor, dst, a.channel)))
             elif a.op == Op.SEND_B:
                 dst = self.schedule.rank_of(a.stage - 1)
-                ops.append((a, dst, self.p2p.send_op(self.input_grads.pop((a.stage, a.microbatch)), dst, a.comm)))
+                ops.append((a, dst, self.p2p.send_op(self.input_grads.pop((a.stage, a.microbatch)), dst, a.channel)))
             else:
                 src = self.schedule.rank_of(a.stage + 1 if a.op == Op.RECV_B else a.stage - 1)
-                ops.append((a, src, self.p2p.recv_op(self.tensor_shape, self.dtype, src, a.comm)))
+                ops.append((a, src, self.p2p.recv_op(self.tensor_shape, self.dtype, src, a.channel)))
         try:
             self.p2p.post([op for _, _, op in ops])
         except Exception as e:

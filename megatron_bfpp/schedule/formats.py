@@ -47,7 +47,7 @@ def from_json(text: str) -> Schedule:
 
 
 CSV_FIELDS = ("rank", "step", "op", "stage", "microbatch")
-CSV_OPTIONAL_FIELDS = ("batch", "channel")  # p2p posting groups and communicators; empty when not set
+CSV_OPTIONAL_FIELDS = ("batch", "channel")  # p2p posting groups and channels; empty when not set or the default
 
 
 def to_csv(schedule: Schedule) -> str:
@@ -57,7 +57,7 @@ def to_csv(schedule: Schedule) -> str:
     for r, acts in enumerate(schedule.ranks):
         for i, a in enumerate(acts):
             w.writerow([r, i, a.op.value, a.stage, "" if a.microbatch is None else a.microbatch,
-                        "" if a.batch is None else a.batch, a.channel or ""])
+                        "" if a.batch is None else a.batch, a.serialized_channel or ""])
     return buf.getvalue()
 
 

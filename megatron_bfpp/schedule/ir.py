@@ -56,7 +56,7 @@ class ScheduleError(ValueError):
     """A schedule (or its configuration) is invalid. The message names the flag or the rank/step/action."""
 
 
-# Default communicator of each p2p op: activations and gradients travel on separate process groups.
+# Default channel of each p2p op: activations and gradients travel on separate process groups.
 DEFAULT_CHANNEL = {"SEND_F": "activations", "RECV_F": "activations", "SEND_B": "gradients", "RECV_B": "gradients"}
 
 
@@ -65,9 +65,9 @@ class Action:
     """One step of a rank's list. For p2p ops the list order is the order the rank posts them in.
 
     `batch`: p2p actions posted together as one `batch_isend_irecv` group are consecutive and share a value
-    (None: posted alone, which the runtime does as a `batch_isend_irecv` of one op). `channel`: the
-    communicator, when not the op's default (`DEFAULT_CHANNEL`). Neither takes part in equality: an action is
-    identified by (op, stage, microbatch).
+    (None: posted alone, which the runtime does as a `batch_isend_irecv` of one op). `channel`: the channel (one
+    process group of the runtime) a p2p action is posted on, the op's default (`DEFAULT_CHANNEL`) unless given;
+    None for other actions. Neither takes part in equality: an action is identified by (op, stage, microbatch).
     """
 
     op: Op
@@ -85,21 +85,23 @@ class Action:
             raise ScheduleError(f"{self.op} needs a microbatch")
         if self.op not in P2P_OPS and (self.batch is not None or self.channel is not None):
             raise ScheduleError(f"{self.op} is not a p2p action: it takes no batch or channel")
+        if self.op in P2P_OPS and self.channel is None:
+            object.__setattr__(self, "channel", DEFAULT_CHANNEL[self.op.value])
 
     @property
-    def comm(self) -> str:
-        """The communicator a p2p action is posted on."""
-        return self.channel or DEFAULT_CHANNEL[self.op.value]
+    def serialized_channel(self) -> str | None:
+        """`channel` as the text, JSON and CSV forms carry it: None when it is the op's default."""
+        return None if self.channel == DEFAULT_CHANNEL.get(self.op.value) else self.channel
 
     @property
     def text(self) -> str:
         """Compact form: `F4:0` (op, stage, microbatch), `GATHER4` (data-parallel ops); p2p actions may add
-        `@batch` and `/channel`, e.g. `SEND_F0:1@3`."""
+        `@batch` and `/channel` (when not the op's default), e.g. `SEND_F0:1@3`."""
         base = f"{self.op.value}{self.stage}" if self.microbatch is None else f"{self.op.value}{self.stage}:{self.microbatch}"
         if self.batch is not None:
             base += f"@{self.batch}"
-        if self.channel is not None:
-            base += f"/{self.channel}"
+        if self.serialized_channel is not None:
+            base += f"/{self.serialized_channel}"
         return base
 
     @property
@@ -114,8 +116,8 @@ class Action:
         d: dict = {"op": self.op.value, "stage": self.stage, "microbatch": self.microbatch}
         if self.op in P2P_OPS:
             d["batch"] = self.batch
-            if self.channel is not None:
-                d["channel"] = self.channel
+            if self.serialized_channel is not None:
+                d["channel"] = self.serialized_channel
         return d
 
     @staticmethod

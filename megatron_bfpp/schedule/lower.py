@@ -53,7 +53,7 @@ def add_p2p(schedule: Schedule) -> Schedule:
     running the compute order on nominal durations: a produced message waits in its producer's outbox until
     producer and consumer are both between computes, and is then transferred (SEND on one, RECV on the
     other, at the same point of the sequence). The consumer keeps received inputs until its compute needs
-    them. Consecutive transfers of one rank at the same instant on the same communicator are posted as one
+    them. Consecutive transfers of one rank at the same instant on the same channel are posted as one
     batch. `validate` re-checks the result against the NCCL models.
     """
     if schedule.lowered:
@@ -132,14 +132,14 @@ def add_p2p(schedule: Schedule) -> Schedule:
 
 
 def _batch(timed: list[tuple[Action, tuple[float, int]]]) -> list[Action]:
-    """Number runs of consecutive p2p actions posted at one instant on one communicator as one batch."""
+    """Number runs of consecutive p2p actions posted at one instant on one channel as one batch."""
     result: list[Action] = []
     i, next_id = 0, 0
     while i < len(timed):
         a, when = timed[i]
         j = i + 1
         if a.op in P2P_OPS:
-            while j < len(timed) and timed[j][0].op in P2P_OPS and timed[j][1] == when and timed[j][0].comm == a.comm:
+            while j < len(timed) and timed[j][0].op in P2P_OPS and timed[j][1] == when and timed[j][0].channel == a.channel:
                 j += 1
         if j - i > 1:
             result += [dataclasses.replace(b, batch=next_id) for b, _ in timed[i:j]]

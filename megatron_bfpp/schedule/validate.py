@@ -10,9 +10,9 @@ completes under event simulations of the backends:
   case for large messages); a batch is posted as one group; a p2p op starts after the computes posted before
   it (torch's NCCL stream waits on the compute stream); a compute waits for the receives it consumes. With
   `single_queue` (CUDA_DEVICE_MAX_CONNECTIONS=1) everything a rank posts runs in one queue, in order.
-  A communicator is an action's `comm`, one queue for lone actions and batches alike: exactly what the runtime
-  does, which posts every post as one `batch_isend_irecv` on the channel's process group, so that NCCL runs a
-  lone op on the group's communicator too and not on a 2-rank one of its own (`runtime/p2p.py`,
+  The communicator is the action's `channel`, one queue for lone actions and batches alike: exactly what the
+  runtime does, which posts every post as one `batch_isend_irecv` on the channel's process group, so that NCCL
+  runs a lone op on the group's communicator too and not on a 2-rank one of its own (`runtime/p2p.py`,
   `PipelineP2P.post`).
 Errors name the rank, the step (index in the rank's list), the action and, for deadlocks, the cycle.
 """
@@ -94,7 +94,7 @@ def _deps(schedule: Schedule, a: Action, split: set[tuple[int, int]]) -> list[tu
     return []
 
 
-def _channel(schedule: Schedule, a: Action) -> tuple[int, int] | None:
+def _ends(schedule: Schedule, a: Action) -> tuple[int, int] | None:
     """(src, dst) of a p2p action."""
     r = schedule.rank_of(a.stage)
     if a.op == Op.SEND_F:
@@ -109,16 +109,17 @@ def _channel(schedule: Schedule, a: Action) -> tuple[int, int] | None:
 
 
 def check_p2p(schedule: Schedule) -> None:
-    """Every send has its receive and vice versa, each channel matched in the same order on both ends.
+    """Every send has its receive and vice versa, matched in the same order on both ends per (source rank,
+    destination rank, channel).
 
-    A channel is (source rank, destination rank, communicator): activations and gradients travel on separate
-    communicators (separate process groups in the runtime), so their relative order never has to agree. A single
-    shared channel is what makes Megatron's interleaved PP = 2 order ambiguous.
+    Activations and gradients travel on separate channels (separate process groups in the runtime), so their
+    relative order never has to agree. A single shared channel is what makes Megatron's interleaved PP = 2
+    order ambiguous.
     """
     if schedule.pp == 1:
         for r, acts in enumerate(schedule.ranks):
             for i, a in enumerate(acts):
-                if _channel(schedule, a) is not None:
+                if _ends(schedule, a) is not None:
                     raise ScheduleError(f"rank {r} step {i}: {a.text} with pp=1 has no peer")
         return
     last = schedule.num_stages - 1
@@ -126,10 +127,10 @@ def check_p2p(schedule: Schedule) -> None:
     recvs: dict[tuple[int, int, str], list[tuple[str, int, int]]] = {}
     for r, acts in enumerate(schedule.ranks):
         for i, a in enumerate(acts):
-            pair = _channel(schedule, a)
+            pair = _ends(schedule, a)
             if pair is None:
                 continue
-            ch = (*pair, a.comm)
+            ch = (*pair, a.channel)
             if (a.op == Op.SEND_F and a.stage == last) or (a.op == Op.RECV_F and a.stage == 0) or (
                 a.op == Op.SEND_B and a.stage == 0) or (a.op == Op.RECV_B and a.stage == last):
                 raise ScheduleError(f"rank {r} step {i}: {a.text} has no neighbour stage")
@@ -149,7 +150,7 @@ def check_p2p(schedule: Schedule) -> None:
             got = r_list[k] if k < len(r_list) else None
             if sent != got:
                 raise ScheduleError(
-                    f"channel rank {ch[0]} -> rank {ch[1]} (communicator {ch[2]!r}), message {k}: rank {ch[0]} sends {_payload(sent)} "
+                    f"channel rank {ch[0]} -> rank {ch[1]} ({ch[2]!r}), message {k}: rank {ch[0]} sends {_payload(sent)} "
                     f"but rank {ch[1]} expects {_payload(got)}"
                 )
 
@@ -218,7 +219,7 @@ def simulate_order(schedule: Schedule) -> list[tuple[int, int]]:
 
 
 def check_batches(schedule: Schedule) -> None:
-    """Actions of one batch are consecutive p2p actions on one communicator."""
+    """Actions of one batch are consecutive p2p actions on one channel."""
     for r, acts in enumerate(schedule.ranks):
         seen: dict[int, int] = {}
         for i, a in enumerate(acts):
@@ -232,30 +233,30 @@ def check_batches(schedule: Schedule) -> None:
                     raise ScheduleError(
                         f"rank {r} step {i}: {a.text} belongs to batch {a.batch}, whose actions are not consecutive "
                         f"(first at step {seen[a.batch]}): a batch is posted as one batch_isend_irecv group")
-                if prev.comm != a.comm:
-                    raise ScheduleError(f"rank {r} step {i}: batch {a.batch} mixes communicators {prev.comm!r} and "
-                                        f"{a.comm!r} (batch_isend_irecv takes one process group)")
+                if prev.channel != a.channel:
+                    raise ScheduleError(f"rank {r} step {i}: batch {a.batch} mixes channels {prev.channel!r} and "
+                                        f"{a.channel!r} (batch_isend_irecv takes one process group)")
             else:
                 seen[a.batch] = i
 
 
 def _p2p_partners(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
     """(rank, step) of each p2p action -> (rank, step) of its match: k-th send to k-th receive per
-    (communicator, source, destination)."""
+    (channel, source, destination)."""
     sends: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
     recvs: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
     for r, acts in enumerate(schedule.ranks):
         for i, a in enumerate(acts):
-            pair = _channel(schedule, a)
+            pair = _ends(schedule, a)
             if pair is None:
                 continue
-            key = (a.comm, *pair)
+            key = (a.channel, *pair)
             (sends if a.op in (Op.SEND_F, Op.SEND_B) else recvs).setdefault(key, []).append((r, i))
     partners: dict[tuple[int, int], tuple[int, int]] = {}
     for key in set(sends) | set(recvs):
         s_list, r_list = sends.get(key, []), recvs.get(key, [])
         if len(s_list) != len(r_list):
-            raise ScheduleError(f"communicator {key[0]!r} rank {key[1]} -> rank {key[2]}: {len(s_list)} sends but "
+            raise ScheduleError(f"channel {key[0]!r} rank {key[1]} -> rank {key[2]}: {len(s_list)} sends but "
                                 f"{len(r_list)} receives")
         for x, y in zip(s_list, r_list):
             partners[x] = y
@@ -265,7 +266,7 @@ def _p2p_partners(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
 
 def simulate_nccl(schedule: Schedule, single_queue: bool = False) -> None:
     """Run the lowered schedule under NCCL's semantics (see the module docstring); raise on a deadlock,
-    naming each rank, step, communicator and the cycle of waits."""
+    naming each rank, step, channel and the cycle of waits."""
     if schedule.pp == 1 or not schedule.lowered:
         return
     partners = _p2p_partners(schedule)
@@ -290,7 +291,7 @@ def simulate_nccl(schedule: Schedule, single_queue: bool = False) -> None:
                 needs[(r, i)] = [d for d in deps if d is not None]
                 n_compute += 1
             elif a.op in P2P_OPS:
-                qn = "all" if single_queue else a.comm
+                qn = "all" if single_queue else a.channel
                 computes_before[(r, i)] = n_compute
             elif single_queue:
                 qn = "all"  # data-parallel collectives: same position on every data-parallel peer
@@ -365,11 +366,11 @@ def _nccl_cycle(schedule, start, queues, head, queue_of, partners, needs, done, 
             why = "posted after it" if d > i else "not complete"
             return queue_of[(r, d)], f"{where} waits for {b.text} (step {d}, {why})"
         if not single_queue and computes_done[r] < computes_before[(r, i)]:
-            return (r, "compute"), f"{where} on {a.comm!r} waits for the computes posted before it"
+            return (r, "compute"), f"{where} on {a.channel!r} waits for the computes posted before it"
         j_own = next(j for j in unit if (r, j) not in done)
         q, j = partners[(r, j_own)]
         b = schedule.ranks[r][j_own]
-        return queue_of[(q, j)], (f"{where} on communicator {b.comm!r}: {b.text} waits for rank {q} to post "
+        return queue_of[(q, j)], (f"{where} on channel {b.channel!r}: {b.text} waits for rank {q} to post "
                                   f"{schedule.ranks[q][j].text} (its step {j})")
 
     seen: list[tuple[int, str]] = []

@@ -18,9 +18,14 @@ from megatron_bfpp.schedule.validate import _compute_only_lowering, simulate_ncc
 
 def test_action_text_round_trip():
     for a in [Action(Op.F, 4, 0), Action(Op.SEND_B, 3, 11), Action(Op.GATHER, 2), Action(Op.REDUCE, 0),
-              Action(Op.RECV_F, 1, 2, batch=7), Action(Op.SEND_F, 0, 1, batch=3, channel="activations")]:
+              Action(Op.RECV_F, 1, 2, batch=7), Action(Op.SEND_F, 0, 1, batch=3, channel="activations"),
+              Action(Op.SEND_F, 0, 1, batch=3, channel="gradients")]:
         back = Action.parse(a.text)
         assert (back, back.batch, back.channel) == (a, a.batch, a.channel)
+    # A p2p action always holds its channel; the text form names it only when it is not the op's default.
+    assert (Action(Op.SEND_B, 3, 1).channel, Action(Op.F, 3, 1).channel) == ("gradients", None)
+    assert Action(Op.SEND_F, 0, 1, channel="activations").text == "SEND_F0:1"
+    assert Action(Op.SEND_F, 0, 1, channel="gradients").text == "SEND_F0:1/gradients"
     with pytest.raises(ScheduleError):
         Action(Op.GATHER, 1, 3)
     with pytest.raises(ScheduleError):
