@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_bfpp.schedule import make_schedule
-from megatron_bfpp.sim import Costs, GPTModel, Partition, simulate_schedule
+from megatron_bfpp.sim import Costs, ModelProfile, Partition, simulate_schedule
 
 WORLD = 4
 WARMUP = 2  # iterations left out entirely (allocator and gloo warm-up make them several times slower)
@@ -172,7 +172,7 @@ def predict(name: str, report: dict, trace: dict, coll: dict[str, tuple[float, f
     test = [i for i in recorded if i not in calib]
     fb, outside = calibrate(report, trace, calib)
     n_stages = pp * vp
-    model = GPTModel("fidelity", MODEL["num_layers"], MODEL["hidden_size"], MODEL["num_attention_heads"],
+    model = ModelProfile("fidelity", MODEL["num_layers"], MODEL["hidden_size"], MODEL["num_attention_heads"],
                      MODEL["seq_length"], cfg["vocab_size"])
     part = Partition(model, 1, pp, vp)
     param_bytes = [4.0 * part.stage_params(s) for s in range(n_stages)]  # fp32 on CPU, gathered and reduced

@@ -77,11 +77,11 @@ def probe_main(a: argparse.Namespace) -> int:
 
 def resolve_model(spec: str):
     """A simulator model by name (gpt-52b, ...) or a shape `HIDDEN:HEADS:SEQ` (small smoke runs)."""
-    from megatron_bfpp.sim.model import GPTModel, get_model
+    from megatron_bfpp.sim.model import ModelProfile, get_model
 
     if spec.count(":") == 2:
         h, heads, seq = (int(x) for x in spec.split(":"))
-        return GPTModel(spec, 1, h, heads, seq)
+        return ModelProfile(spec, 1, h, heads, seq)
     return get_model(spec)
 
 
@@ -268,13 +268,13 @@ def run_config(args: list[str]) -> dict[str, Any]:
 def predicted_peak_bytes(cfg: dict[str, Any], hardware: str) -> float:
     """The planner's per-GPU memory for the run (largest pipeline rank), without the profile's fixed reserve."""
     from megatron_bfpp.sim.costs import Config
-    from megatron_bfpp.sim.model import GPTModel
+    from megatron_bfpp.sim.model import ModelProfile
     from megatron_bfpp.sim.predict import memory
 
     schedule = cfg["schedule"]
     if schedule == "default":
         schedule = "1f1b" if cfg["vp"] == 1 else "interleaved-1f1b"
-    model = GPTModel("check", cfg["num_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["seq_length"],
+    model = ModelProfile("check", cfg["num_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["seq_length"],
                      cfg["vocab_size"])
     dp = cfg.get("dp", 1)
     m = cfg["global_batch_size"] // (cfg["micro_batch_size"] * dp)  # per data-parallel rank

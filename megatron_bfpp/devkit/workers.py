@@ -183,10 +183,10 @@ def sync_detail(result: dict[str, Any]) -> str:
 def predicted_per_rank(config: dict[str, Any]) -> list[float]:
     """The simulator's bytes per pipeline rank for a trainer report's `config` block."""
     from megatron_bfpp.sim.costs import Config
-    from megatron_bfpp.sim.model import GPTModel
+    from megatron_bfpp.sim.model import ModelProfile
     from megatron_bfpp.sim.predict import memory
 
-    model = GPTModel("devkit", config["num_layers"], config["hidden_size"], config["num_attention_heads"],
+    model = ModelProfile("devkit", config["num_layers"], config["hidden_size"], config["num_attention_heads"],
                      config["seq_length"], config["vocab_size"])
     cfg = Config(config.get("tp", 1), config["pp"], config["vp"], config["dp"], config["micro_batch_size"],
                  config["microbatches"], config["pipeline_schedule"], config["zero_stage"],

@@ -3,13 +3,13 @@
 from .costs import Config, Costs, analytic_costs, memory_breakdown, peak_activation_bytes, unit_costs
 from .engine import EngineResult, simulate_schedule
 from .hardware import PROFILES, Hardware, get_hardware
-from .model import MODELS, GPTModel, Partition, get_model
+from .model import MODELS, ModelProfile, Partition, get_model
 from .planner import PlanResult, SearchSpace, plan
 from .predict import Prediction, check_config, config_dict, predict
 
 __all__ = [
     "Config", "Costs", "analytic_costs", "memory_breakdown", "peak_activation_bytes", "unit_costs",
-    "EngineResult", "simulate_schedule", "PROFILES", "Hardware", "get_hardware", "MODELS", "GPTModel",
+    "EngineResult", "simulate_schedule", "PROFILES", "Hardware", "get_hardware", "MODELS", "ModelProfile",
     "Partition", "get_model", "PlanResult", "SearchSpace", "plan", "Prediction", "check_config", "config_dict",
     "predict",
 ]

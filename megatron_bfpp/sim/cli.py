@@ -9,7 +9,7 @@ import sys
 from ..schedule import SCHEDULE_NAMES
 from .costs import Config
 from .hardware import PROFILES, get_hardware
-from .model import MODELS, GPTModel, StageSplit, get_model
+from .model import MODELS, ModelProfile, StageSplit, get_model
 from .planner import ZERO_STAGES, SearchSpace, plan
 from .predict import predict
 
@@ -99,17 +99,17 @@ def plan_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _model(args: argparse.Namespace) -> GPTModel:
+def _model(args: argparse.Namespace) -> ModelProfile:
     m = get_model(args.model)
     if args.seq_length is not None:
         if args.seq_length < 1:
             raise _Error(f"--seq-length must be >= 1 (got {args.seq_length})")
-        m = GPTModel(m.name, m.num_layers, m.hidden_size, m.num_heads, args.seq_length, m.vocab_size,
+        m = ModelProfile(m.name, m.num_layers, m.hidden_size, m.num_heads, args.seq_length, m.vocab_size,
                      m.ffn_hidden_size)
     return m
 
 
-def config_from_args(args: argparse.Namespace, model: GPTModel) -> Config:
+def config_from_args(args: argparse.Namespace, model: ModelProfile) -> Config:
     t, p, n, bsz, b = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.gpus,
                        args.global_batch_size, args.micro_batch_size)
     for flag, v in (("--tensor-model-parallel-size", t), ("--pipeline-model-parallel-size", p), ("--gpus", n),

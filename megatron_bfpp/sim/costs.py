@@ -15,7 +15,7 @@ communication; full recomputation adds one forward to every backward.
 
 Split backward (schedules with I and W ops). The backward time of a stage is shared between I (the gradient
 of the stage input) and W (the weight gradients) by FLOPs, per Qi et al. (ICLR 2024) Table 1: per layer
-I = sbh(24h + 8s), W = 24sbh^2 (`GPTModel.layer_backward_flops`); the output layer and loss half and half;
+I = sbh(24h + 8s), W = 24sbh^2 (`ModelProfile.layer_backward_flops`); the output layer and loss half and half;
 a recomputed forward belongs to I (the input gradient cannot start without it). `Costs.input_grad_share`
 carries I / (I + W) per stage. Two other costs of a W: `Config.w_at_input_grad` models layers that cannot
 defer their weight GEMMs, as the runtime runs them on Megatron-Core chunks (TransformerEngine older than 2.3,
@@ -45,7 +45,7 @@ from typing import Callable
 from ..schedule import COMPUTE_OPS, Op, Schedule
 from ..schedule.ir import INPUT_GRAD_OPS, SPLIT_BACKWARD_SCHEDULES
 from .hardware import Hardware
-from .model import EVEN_STAGES, GPTModel, Partition, StageSplit
+from .model import EVEN_STAGES, ModelProfile, Partition, StageSplit
 
 ELEMENTWISE_BYTES_PER_TOKEN_HIDDEN = 38  # LN in/out 4+4, GeLU on 4h 16, two dropout+residual 7+7 (bf16)
 ELEMENTWISE_KERNELS_PER_LAYER = 8
@@ -293,7 +293,7 @@ class Config:
     w_at_input_grad: bool = False
     split: StageSplit = EVEN_STAGES  # how Megatron-LM spreads the layers over the stages
 
-    def partition(self, model: GPTModel) -> Partition:
+    def partition(self, model: ModelProfile) -> Partition:
         """The model cut into this configuration's stages."""
         return Partition(model, self.tp, self.pp, self.vp, self.split)
 

@@ -21,7 +21,9 @@ from typing import Any
 
 
 @dataclass(frozen=True)
-class GPTModel:
+class ModelProfile:
+    """The layer sizes of a GPT model that the simulator's costs are computed from (not a model that runs)."""
+
     name: str
     num_layers: int
     hidden_size: int
@@ -69,15 +71,15 @@ class GPTModel:
 
 # Published shapes. GPT-3 paper (Brown et al., 2020, Table 2.1) for 1.3B, 13B and 175B; 52B is the 64-layer x
 # 8192-hidden x 64-head shape used for that size by the breadth-first paper and by Megatron's scaling tables.
-MODELS: dict[str, GPTModel] = {
-    "gpt-1.3b": GPTModel("gpt-1.3b", 24, 2048, 16),
-    "gpt-13b": GPTModel("gpt-13b", 40, 5120, 40),
-    "gpt-52b": GPTModel("gpt-52b", 64, 8192, 64),
-    "gpt-175b": GPTModel("gpt-175b", 96, 12288, 96),
+MODELS: dict[str, ModelProfile] = {
+    "gpt-1.3b": ModelProfile("gpt-1.3b", 24, 2048, 16),
+    "gpt-13b": ModelProfile("gpt-13b", 40, 5120, 40),
+    "gpt-52b": ModelProfile("gpt-52b", 64, 8192, 64),
+    "gpt-175b": ModelProfile("gpt-175b", 96, 12288, 96),
 }
 
 
-def get_model(name: str) -> GPTModel:
+def get_model(name: str) -> ModelProfile:
     try:
         return MODELS[name]
     except KeyError:
@@ -174,7 +176,7 @@ class Partition:
     """A model cut into P * V stages (equal layer counts unless `split` says otherwise), with T-way tensor
     parallelism."""
 
-    model: GPTModel
+    model: ModelProfile
     tp: int
     pp: int
     vp: int

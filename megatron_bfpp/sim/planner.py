@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ..schedule import SCHEDULE_NAMES, ScheduleError
 from .costs import ADAM_BYTES_PER_PARAM, Config, head_times, layer_times, memory_breakdown, split_backward_times
 from .hardware import GIB, Hardware
-from .model import EVEN_STAGES, GPTModel, Partition, StageSplit, stage_layer_counts
+from .model import EVEN_STAGES, ModelProfile, Partition, StageSplit, stage_layer_counts
 from .predict import BREADTH_FIRST, Prediction, check_config, config_dict, memory, predict
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -114,7 +114,7 @@ def _group_sizes(schedule: str, pp: int, m: int, search: bool) -> list[int | Non
 class _Bounds:
     """Cheap per-configuration quantities: compute-only step-time bound and memory without activations."""
 
-    def __init__(self, model: GPTModel, hw: Hardware) -> None:
+    def __init__(self, model: ModelProfile, hw: Hardware) -> None:
         self.model, self.hw = model, hw
         self._layer = functools.lru_cache(maxsize=None)(lambda tp, b: layer_times(hw, Partition(model, tp, 1, 1), b))
         self._head = functools.lru_cache(maxsize=None)(lambda tp, b: head_times(hw, Partition(model, tp, 1, 1), b))
@@ -150,7 +150,7 @@ class _Bounds:
         return max(memory_breakdown(part, cfg, r, 0.0)["total"] for r in ranks)
 
 
-def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: int,
+def enumerate_configs(model: ModelProfile, hw: Hardware, gpus: int, global_batch: int,
                       space: SearchSpace) -> tuple[list[Config], list[tuple[Config | None, str]]]:
     """Every configuration of the search space that can run, and (config, reason) for those that cannot."""
     out: list[Config] = []
@@ -214,7 +214,7 @@ def enumerate_configs(model: GPTModel, hw: Hardware, gpus: int, global_batch: in
     return out, bad
 
 
-def _vp_sizes(model: GPTModel, pp: int, split: StageSplit) -> list[int]:
+def _vp_sizes(model: ModelProfile, pp: int, split: StageSplit) -> list[int]:
     """Every V for which Megatron-LM splits the layers over P * V stages under these split flags."""
     out = []
     for v in range(1, model.num_layers // pp + 2):
@@ -230,7 +230,7 @@ def _default(sched: str, pp: int, m: int) -> int | None:
     return pp if sched == "interleaved-1f1b" else m if sched in BREADTH_FIRST else None
 
 
-def plan(model: GPTModel, hw: Hardware, gpus: int, global_batch: int, space: SearchSpace = SearchSpace(),
+def plan(model: ModelProfile, hw: Hardware, gpus: int, global_batch: int, space: SearchSpace = SearchSpace(),
          top: int = 5) -> PlanResult:
     """The `top` fastest fitting configurations, best first, and the most promising rejected ones."""
     if gpus < 1 or global_batch < 1:

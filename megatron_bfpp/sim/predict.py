@@ -14,7 +14,7 @@ from ..schedule.events import TimelineEvent
 from .costs import Config, Placement, analytic_costs, memory_breakdown, peak_activation_bytes
 from .engine import EngineResult, simulate_schedule
 from .hardware import GIB, Hardware
-from .model import GPTModel, StageSplit
+from .model import ModelProfile, StageSplit
 
 SINGLE_STAGE = ("gpipe", "1f1b", "zb-h1")
 BREADTH_FIRST = ("breadth-first", "breadth-first-zb")  # group size = micro-batches per breadth-first group
@@ -29,7 +29,7 @@ def default_group_size(schedule: str, pp: int, microbatches: int) -> int | None:
     return None
 
 
-def check_config(model: GPTModel, hw: Hardware, cfg: Config) -> None:
+def check_config(model: ModelProfile, hw: Hardware, cfg: Config) -> None:
     """Raise ValueError (one line, naming the flag) for a configuration that cannot run."""
     Placement(hw, cfg.tp, cfg.dp, cfg.pp)
     cfg.partition(model)
@@ -177,7 +177,7 @@ def activation_frontier(name: str, pp: int, vp: int, microbatches: int,
     return tuple(out)
 
 
-def memory(model: GPTModel, cfg: Config) -> list[dict[str, float]]:
+def memory(model: ModelProfile, cfg: Config) -> list[dict[str, float]]:
     """Per pipeline rank, bytes by category (see `costs.memory_breakdown`), activations from the schedule's order."""
     part = cfg.partition(model)
     b = cfg.micro_batch_size
@@ -198,7 +198,7 @@ def memory(model: GPTModel, cfg: Config) -> list[dict[str, float]]:
             for r in range(cfg.pp)]
 
 
-def predict(model: GPTModel, hw: Hardware, cfg: Config, record_events: bool = False,
+def predict(model: ModelProfile, hw: Hardware, cfg: Config, record_events: bool = False,
             check: bool = False) -> Prediction:
     """Simulate one step of `cfg`; `check` also validates the schedule (slower, for one-off use)."""
     check_config(model, hw, cfg)
@@ -209,7 +209,7 @@ def predict(model: GPTModel, hw: Hardware, cfg: Config, record_events: bool = Fa
     return _prediction(model, hw, cfg, sched, res)
 
 
-def _prediction(model: GPTModel, hw: Hardware, cfg: Config, sched: Schedule, res: EngineResult) -> Prediction:
+def _prediction(model: ModelProfile, hw: Hardware, cfg: Config, sched: Schedule, res: EngineResult) -> Prediction:
     mem = memory(model, cfg)
     peak_rank = max(range(cfg.pp), key=lambda r: mem[r]["total"])
     flops = model.model_flops_per_sequence() * cfg.global_batch_size
@@ -267,7 +267,7 @@ def hardware_for_device() -> Hardware | None:
     return None
 
 
-def trainer_config(args) -> tuple[GPTModel, Config]:
+def trainer_config(args) -> tuple[ModelProfile, Config]:
     """Model and configuration of a trainer run from its Megatron-style parsed arguments."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
@@ -279,7 +279,7 @@ def trainer_config(args) -> tuple[GPTModel, Config]:
     zero = getattr(args, "zero_stage", None)
     if zero is None:
         zero = 1 if getattr(args, "use_distributed_optimizer", False) else 0
-    model = GPTModel(
+    model = ModelProfile(
         "trainer", args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
         getattr(args, "padded_vocab_size", None) or args.vocab_size, getattr(args, "ffn_hidden_size", None),
     )

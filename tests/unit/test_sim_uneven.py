@@ -9,7 +9,7 @@ import pytest
 
 from megatron_bfpp.sim import Config, get_hardware, get_model, plan, predict
 from megatron_bfpp.sim.cli import simulate_main
-from megatron_bfpp.sim.model import EVEN_STAGES, GPTModel, Partition, StageSplit, stage_layer_counts
+from megatron_bfpp.sim.model import EVEN_STAGES, ModelProfile, Partition, StageSplit, stage_layer_counts
 from megatron_bfpp.sim.planner import SearchSpace
 from megatron_bfpp.sim.predict import memory
 from tests.support.sim_profiles import num_params
@@ -160,7 +160,7 @@ def _planner_layouts(model, split: StageSplit) -> set[tuple[int, int]]:
 @pytest.mark.parametrize("split", SPLITS, ids=str)
 def test_planner_reaches_every_layout_megatron_builds(split: StageSplit) -> None:
     """14 layers, every P and V: the planner's candidate layouts are exactly those Megatron-Core builds."""
-    model = GPTModel("fourteen", 14, 256, 4)
+    model = ModelProfile("fourteen", 14, 256, 4)
     want = _megatron_layouts(model.num_layers, split, range(1, model.num_layers + 3))
     assert len(want) >= 4
     assert _planner_layouts(model, split) == want

@@ -17,7 +17,7 @@ from megatron_bfpp.sim.costs import (
     HEAD_INPUT_GRAD_SHARE, gemm_time, head_times, layer_input_grad_share, layer_times, peak_activation_bytes,
     split_backward_times,
 )
-from megatron_bfpp.sim.model import GPTModel
+from megatron_bfpp.sim.model import ModelProfile
 from megatron_bfpp.sim.planner import enumerate_configs
 from megatron_bfpp.sim.predict import memory, schedule_for
 
@@ -37,7 +37,7 @@ def _step(name, pp, vp, m, g=None):
 
 # ------------------------------------------------------------------ I/W split from FLOPs
 
-@pytest.mark.parametrize("model", [GPT52, GPT13, GPTModel("odd", 4, 256, 8, 128, 512)])
+@pytest.mark.parametrize("model", [GPT52, GPT13, ModelProfile("odd", 4, 256, 8, 128, 512)])
 def test_layer_backward_flops_follow_qi_et_al(model):
     """Qi et al. Table 1 (f = 4h): F = sbh(24h + 4s), I = sbh(24h + 8s), W = 24sbh^2, so B = I + W = 2F."""
     h, s = model.hidden_size, model.seq_length
