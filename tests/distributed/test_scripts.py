@@ -409,8 +409,7 @@ def test_patch_series_are_format_patch_files(tag: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- A/B driver
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import ab_megatron  # noqa: E402
+from megatron_bfpp.megatron.ab import cli as ab_cli  # noqa: E402
 
 AB = [sys.executable, str(ROOT / "scripts" / "ab_megatron.py")]
 
@@ -541,7 +540,7 @@ def test_ab_fake_runner_medians_spread_memory_csv_png(subprocesses, tmp_path: Pa
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # --parse-only re-analyses the same logs to the same summary.
     before = (tmp_path / "ab" / "ab_summary.csv").read_text()
-    assert ab_megatron.main(["--parse-only", "--out", str(tmp_path / "ab"), "--warmup", "2"]) == 0
+    assert ab_cli.main(["--parse-only", "--out", str(tmp_path / "ab"), "--warmup", "2"]) == 0
     assert (tmp_path / "ab" / "ab_summary.csv").read_text() == before
 
 
@@ -606,22 +605,6 @@ def test_ab_same_model_is_checked_over_every_iteration(subprocesses, tmp_path: P
     assert rows["plugin-bf-zero3"]["loss_check"] == f"mismatch: {problem} (stock)", rows["plugin-bf-zero3"]
     assert f"variant plugin-bf-zero3: {problem} against stock: the variants did not train the same model" in r.stderr
     assert rows["plugin-bf-distopt"]["loss_check"] == "ok"  # within the tolerance: test_ab_first_iteration_...
-
-
-def test_ab_log_records_how_many_linear_layers_deferred() -> None:
-    """A split-backward variant's log says per chunk how many linear layers deferred their weight GEMMs; the
-    summary's deferred_linears sums them (0: W has no work), None for a fused schedule."""
-    lines = ["megatron_bfpp: interleaved-zb, model chunk 0: 4 linear layers defer their weight GEMMs to W",
-             "megatron_bfpp: interleaved-zb, model chunk 1: 5 linear layers defer their weight GEMMs to W"]
-    assert ab_megatron.parse_log("\n".join(lines), "zb", 128).deferred_linears == 9
-    none = ("megatron_bfpp: interleaved-zb, model chunk 0: 0 linear layers defer their weight GEMMs to W; layers "
-            "that cannot defer (TransformerEngine without delay_wgrad_compute) run their whole backward at I")
-    assert ab_megatron.parse_log(none, "zb", 128).deferred_linears == 0
-    assert ab_megatron.parse_log("iteration 1/ 2 |", "bf", 128).deferred_linears is None
-
-
-def test_ab_parse_only_needs_the_run_record(tmp_path: Path) -> None:
-    assert ab_megatron.main(["--parse-only", "--out", str(tmp_path)]) == 2
 
 
 @needs_mlm

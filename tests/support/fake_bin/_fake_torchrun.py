@@ -1,7 +1,7 @@
 """Stand-in for torchrun in the A/B driver tests: prints what Megatron-LM's training_log and report_memory print
 for the run's --train-iters, without training.
 
-Per variant ($BFPP_AB_VARIANT, set by scripts/ab_megatron.py): FAKE_AB_MS="name=ms,..." iteration time (default
+Per variant ($BFPP_AB_VARIANT, set by the A/B driver): FAKE_AB_MS="name=ms,..." iteration time (default
 1000), FAKE_AB_LOSS="name=loss,..." first-iteration loss (default 10.5), FAKE_AB_DRIFT="name=d,..." added to the
 loss per iteration after the first (default 0), FAKE_AB_GNORM="name=g,..." grad norm (default 1.234),
 FAKE_AB_FAIL="name,..." variants that die after iteration 7 with a CUDA out-of-memory error (exit 1),

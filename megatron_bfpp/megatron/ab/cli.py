@@ -1,0 +1,191 @@
+"""A/B: stock Megatron-LM at its best against megatron_bfpp, same model, layout, batch, data and seed.
+
+Variants (--variants; each can get its own extra flags with --variant-flags NAME="...", and more variants can be
+added with --add-variant NAME=stock|plugin:"FLAGS", e.g. later schedules):
+
+- stock (stock-g<G> for each --stock-group-sizes G): the unmodified pretrain_gpt.py, interleaved 1F1B (virtual
+  stages) with the micro-batch group size G, Megatron's distributed optimizer with --overlap-grad-reduce and
+  --overlap-param-gather; the best of the stock-g<G> runs is the baseline;
+- plugin-bf-distopt: `python -m megatron_bfpp.run_megatron_script`, --pipeline-schedule breadth-first with
+  Megatron's own distributed optimizer and overlap flags (no --zero-stage): what the schedule buys;
+- plugin-bf-zero3: the script runner, --pipeline-schedule breadth-first --zero-stage 3: what the sharding adds;
+- plugin-izb-distopt, plugin-bfzb-zero3 (not in the default list): the split-backward schedules interleaved-zb
+  with Megatron's distributed optimizer and breadth-first-zb with ZeRO-3 (under gradient-accumulation fusion,
+  Megatron-LM's default, layers that cannot defer write main_grad at I, where ZeRO-3 then gives their stage its
+  gradient buffer). Their W's move work only on layers
+  that defer their weight GEMMs (Megatron-Core's local linears) and on TransformerEngine layers built with delay_wgrad_compute (TransformerEngine >= 2.7,
+  2.8 with --overlap-grad-reduce); with an older TransformerEngine every W's work runs at its I, and these variants measure the
+  split's overhead, not a gain (rank 0's log says how many linear layers deferred).
+
+Every variant gets the same model-level settings: --bf16 (fp32 on --cpu-smoke), TransformerEngine layers when
+importable (else --transformer-impl local, with a note), and at T > 1 --sequence-parallel plus, with
+TransformerEngine, --tp-comm-overlap. Activation recomputation is off unless a variant needs it on the card:
+--variant-flags stock="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".
+
+Repetitions run interleaved (A B C A B C ...; --reps). Each run logs every iteration (--log-interval 1
+--log-throughput --log-memory-interval 1); plugin variants also record a --timeline of their first iterations,
+from which the measured bubble is taken. A run that exits non-zero, or logs no iteration after --warmup, fails
+its variant, and so does a run that exits 0 before logging all of its --iters iterations, in any repetition:
+the variant is marked failed in the CSV and the PNG (no numbers are built from a partial log) and the driver
+exits 1 naming the variant, the repetition and the log. Every variant must train the same model as the baseline:
+lm loss and grad norm at every iteration both logged agree (--loss-rtol at the first, --loss-rtol-all at every
+one; bf16 tolerances by default), otherwise the driver exits 1.
+
+Outputs in --out: <variant>.rep<k>.log, ab_runs.json (what ran), ab_iterations.csv, ab_memory.csv (peak
+memory per rank), ab_summary.csv (per variant: status, medians over the repetitions' medians with min/max
+spread of tokens/s, elapsed ms and TFLOP/s per GPU, peak memory, measured bubble, first-iteration loss,
+deferred_linears: for split-backward variants how many of rank 0's linear layers deferred their weight GEMMs to
+W (0: W has no work, e.g. TransformerEngine older than 2.3), ratios to the best stock) and ab_megatron.png.
+
+    python scripts/ab_megatron.py --megatron-lm-dir ~/Megatron-LM --model 1.3b --gpus-per-node 8 --dry-run
+    python scripts/ab_megatron.py --megatron-lm-dir ~/Megatron-LM --model 1.3b --gpus-per-node 8 --reps 3 --out ab-1.3b
+    salloc -N 8 ... python scripts/ab_megatron.py --launcher srun --nnodes 8 --model 13b --out ab-13b
+    python scripts/ab_megatron.py --parse-only --out ab-1.3b          # re-analyse existing logs
+    python scripts/ab_megatron.py --cpu-smoke --out ab-cpu             # the real path on CPU (gloo, tiny GPT)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .commands import (BUILTIN, CPU_SHIM, MODELS, RunRecord, abs_path, common_flags, layout, plan, run_env,
+                       shell_line, variants)
+from .report import BF16_RTOL, FP32_RTOL, analyse
+from .run import check_flags, detect_transformer_impl, first_node, run_all
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--megatron-lm-dir", default=os.environ.get("MEGATRON_LM_DIR"),
+                   help="Megatron-LM checkout (default: $MEGATRON_LM_DIR)")
+    p.add_argument("--model", choices=sorted(MODELS), default="1.3b")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8, help="processes per node")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: the model's)")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size (default: the model's)")
+    p.add_argument("--layers-per-stage", type=int, help="layers per virtual stage (default: the model's)")
+    p.add_argument("--mbs", type=int, default=1, help="micro-batch size")
+    p.add_argument("--gbs", type=int, help="global batch size (default: the model's)")
+    p.add_argument("--iters", type=int, default=30, help="training iterations per run")
+    p.add_argument("--warmup", type=int, default=5, help="iterations left out of the medians")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per variant, interleaved A B C A B C ...")
+    p.add_argument("--variants", default=",".join(BUILTIN),
+                   help=f"comma-separated, run in this order (default {','.join(BUILTIN)}; 'stock' expands to "
+                        f"stock-g<G> for each --stock-group-sizes G; also built in: plugin-izb-distopt, "
+                        f"plugin-bfzb-zero3)")
+    p.add_argument("--stock-group-sizes", default="auto",
+                   help="stock's --microbatch-group-size-per-virtual-pipeline-stage candidates, comma-separated; the "
+                        "best is the baseline (default auto: P and 2P where 2P divides M)")
+    p.add_argument("--variant-flags", action="append", default=[], metavar='NAME="FLAGS"',
+                   help="extra Megatron flags for one variant (repeatable)")
+    p.add_argument("--add-variant", action="append", default=[], metavar='NAME=stock|plugin:"FLAGS"',
+                   help="another variant: the stock script or the plugin's script runner with these flags (repeatable)")
+    p.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
+                   help="auto: TransformerEngine when importable where the ranks run, else local (with a note)")
+    p.add_argument("--no-tp-comm-overlap", action="store_true", help="no --tp-comm-overlap at T > 1")
+    p.add_argument("--data-path", help="Megatron --data-path PREFIX (default: mock data)")
+    p.add_argument("--vocab-file")
+    p.add_argument("--merge-file")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--loss-rtol", type=float,
+                   help="same model: relative lm loss and grad norm agreement at the first iteration (default 5e-3 "
+                   "bf16, 1e-4 fp32)")
+    p.add_argument("--loss-rtol-all", type=float,
+                   help="same model: the same at every iteration both runs logged (default 2e-2 bf16, 1e-4 fp32)")
+    p.add_argument("--launcher", choices=("torchrun", "srun"), default="torchrun",
+                   help="torchrun on this node, or srun + torchrun inside a SLURM allocation (site options: "
+                        "$BFPP_SRUN_ARGS)")
+    p.add_argument("--master-port", type=int, default=29500, help="first rendezvous port (one more per run)")
+    p.add_argument("--out", default="ab-megatron", help="output directory (logs, CSVs, PNG)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the working directory and every command in run order, run the project's flag check")
+    p.add_argument("--no-check", action="store_true", help="skip the flag check (python -m megatron_bfpp.megatron.check)")
+    p.add_argument("--parse-only", action="store_true", help="only parse the logs already in --out (ab_runs.json)")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="the real path on CPU: tiny GPT, 2 gloo processes, mock data, fp32, a few iterations, through "
+                        "the test-only CPU shim (tests/support/cpu_shim)")
+    p.add_argument("extra", nargs="*", help="extra Megatron flags for every variant (after --)")
+    return p
+
+
+def apply_cpu_smoke(a: argparse.Namespace) -> None:
+    """--cpu-smoke's settings: the tiny model on 2 local processes, fewer iterations and repetitions unless given,
+    local layers, fp32 tolerances."""
+    a.model, a.nnodes, a.gpus_per_node, a.launcher = "cpu-smoke", 1, 2, "torchrun"
+    a.iters = a.iters if a.iters != 30 else 6
+    a.warmup = a.warmup if a.warmup != 5 else 2
+    a.reps = a.reps if a.reps != 3 else 1
+    a.transformer_impl = "local"
+    if a.loss_rtol is None:
+        a.loss_rtol = FP32_RTOL["first"]
+    if a.loss_rtol_all is None:
+        a.loss_rtol_all = FP32_RTOL["all"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The driver (the module docstring). Exit status 0: every variant ran and trained the baseline's model; 1: one
+    did not, or the flags are refused; 2: nothing to run (no Megatron-LM checkout, no run record, no CPU shim)."""
+    a = build_parser().parse_args(argv)
+    if a.cpu_smoke:
+        apply_cpu_smoke(a)
+        if not (CPU_SHIM / "sitecustomize.py").is_file():
+            print(f"error: --cpu-smoke needs the test-only CPU shim {CPU_SHIM}/sitecustomize.py (a source checkout "
+                  f"of megatron_bfpp)", file=sys.stderr)
+            return 2
+    if a.loss_rtol is None:
+        a.loss_rtol = BF16_RTOL["first"]
+    if a.loss_rtol_all is None:
+        a.loss_rtol_all = BF16_RTOL["all"]
+    out = Path(a.out).expanduser().absolute()
+    lay = layout(a)
+    title = (f"GPT {a.model}: {lay['world']} ranks, TP={lay['tp']} PP={lay['pp']} DP={lay['dp']}, M={lay['m']}"
+             f" - stock Megatron vs megatron_bfpp")
+
+    if a.parse_only:
+        manifest = out / "ab_runs.json"
+        if not manifest.is_file():
+            print(f"error: {manifest} not found: run the driver first (it records what ran there)", file=sys.stderr)
+            return 2
+        data = json.loads(manifest.read_text())
+        records = [RunRecord(**r) for r in data["runs"]]
+        return analyse(out, data["variants"], records, data["seq_length"], data.get("title", title), a.warmup,
+                       a.loss_rtol, a.loss_rtol_all)
+
+    mlm = abs_path(a.megatron_lm_dir)
+    if not mlm or not (a.dry_run or (Path(mlm) / "pretrain_gpt.py").is_file()):
+        print("error: --megatron-lm-dir (or $MEGATRON_LM_DIR) must point at a Megatron-LM checkout with "
+              "pretrain_gpt.py", file=sys.stderr)
+        return 2
+    mlm = str(Path(mlm).resolve()) if Path(mlm).is_dir() else mlm
+    impl = detect_transformer_impl(a)
+    flags = common_flags(a, lay, impl)
+    vs = variants(a, lay)
+    records = plan(a, mlm, out, vs, flags, first_node(a))
+
+    if a.dry_run:
+        print(f"# {title}")
+        print(f"# working directory: {mlm}")
+        print(f"# training script:   {Path(mlm) / 'pretrain_gpt.py'}")
+        print(f"# output:            {out}")
+        print(f"# order:             {' '.join(f'{r.variant}#{r.rep}' for r in records)}")
+        if not a.no_check:
+            for line in check_flags(a, mlm, vs, flags, lay["world"]):
+                print(f"# check {line}")
+        env = "CUDA_DEVICE_MAX_CONNECTIONS=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1"
+        for r in records[: len(vs)]:
+            print(f"# {r.variant}: log -> {r.log}")
+            print(f"{env} {shell_line(r.command)}")
+        return 0
+
+    out.mkdir(parents=True, exist_ok=True)
+    if not a.no_check:
+        for line in check_flags(a, mlm, vs, flags, lay["world"]):
+            print(f"check {line}")
+    manifest: dict = {"variants": [v.name for v in vs], "seq_length": lay["seq"], "title": title, "runs": []}
+    run_all(records, mlm, run_env(a, mlm), a.reps, manifest, out / "ab_runs.json")
+    return analyse(out, manifest["variants"], records, lay["seq"], title, a.warmup, a.loss_rtol, a.loss_rtol_all)

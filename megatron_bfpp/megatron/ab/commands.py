@@ -1,0 +1,208 @@
+"""The A/B driver's runs as data: the variants, the layout, the flags they share, each run's command and environment.
+
+Pure: nothing here starts a process (the srun rendezvous host is resolved by `run.first_node` and passed in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+# The folder holding the megatron_bfpp package (in a source checkout, the repository): first on the ranks'
+# PYTHONPATH, so they run this package; the test-only CPU shim lives under it.
+ROOT = Path(__file__).resolve().parents[3]
+CPU_SHIM = ROOT / "tests" / "support" / "cpu_shim"
+
+# name -> (layers, hidden, heads, seq, tp, pp, layers per virtual stage, global batch); shapes as scripts/slurm/.
+MODELS: dict[str, tuple[int, int, int, int, int, int, int, int]] = {
+    "tiny": (8, 512, 8, 1024, 1, 4, 1, 16),
+    "1.3b": (24, 2048, 16, 2048, 1, 4, 2, 64),
+    "13b": (40, 5120, 40, 2048, 2, 8, 1, 128),
+    "52b": (64, 8192, 64, 2048, 8, 8, 2, 128),
+    "cpu-smoke": (4, 64, 4, 64, 1, 2, 1, 8),
+}
+DIST_OPT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+BUILTIN = ("stock", "plugin-bf-distopt", "plugin-bf-zero3")
+# On CPU: gloo, no fused kernels (the CPU shim's contract), fp32.
+CPU_FLAGS = ["--distributed-backend", "gloo", "--num-workers", "0", "--no-gradient-accumulation-fusion",
+             "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+             "--no-persist-layer-norm", "--hidden-dropout", "0", "--attention-dropout", "0"]
+# The rendezvous host of srun runs where the allocation's nodes are not known (a dry run, outside an allocation).
+FIRST_NODE = "<first node of the allocation>"
+
+
+@dataclass
+class Variant:
+    name: str
+    plugin: bool  # through python -m megatron_bfpp.run_megatron_script
+    flags: list[str]
+    description: str = ""
+
+
+@dataclass
+class RunRecord:
+    """One process of one variant (one repetition): what ran and how it ended."""
+
+    variant: str
+    rep: int
+    log: str
+    command: list[str]
+    returncode: int | None = None
+    timeline: str | None = None
+
+
+def abs_path(path: str | None) -> str | None:
+    return str(Path(path).expanduser().absolute()) if path else None
+
+
+def layout(a: argparse.Namespace) -> dict:
+    """The model's shape and parallel layout with the command line's overrides; M per data-parallel rank."""
+    layers, hidden, heads, seq, tp, pp, lps, gbs = MODELS[a.model]
+    tp, pp, lps, gbs = a.tp or tp, a.pp or pp, a.layers_per_stage or lps, a.gbs or gbs
+    world = a.nnodes * a.gpus_per_node
+    if world % (tp * pp):
+        raise SystemExit(f"error: {a.nnodes} node(s) x {a.gpus_per_node} = {world} ranks is not a multiple of "
+                         f"TP x PP = {tp * pp}")
+    dp = world // (tp * pp)
+    return dict(layers=layers, hidden=hidden, heads=heads, seq=seq, tp=tp, pp=pp, lps=lps, gbs=gbs, world=world,
+                dp=dp, m=gbs // (a.mbs * dp))
+
+
+def common_flags(a: argparse.Namespace, lay: dict, impl: str) -> list[str]:
+    """The Megatron flags every variant gets: model, layout, batch, data, seed, optimizer schedule, logging."""
+    flags = [
+        "--num-layers", str(lay["layers"]), "--hidden-size", str(lay["hidden"]),
+        "--num-attention-heads", str(lay["heads"]), "--seq-length", str(lay["seq"]),
+        "--max-position-embeddings", str(lay["seq"]),
+        "--tensor-model-parallel-size", str(lay["tp"]), "--pipeline-model-parallel-size", str(lay["pp"]),
+        "--num-layers-per-virtual-pipeline-stage", str(lay["lps"]),
+        "--micro-batch-size", str(a.mbs), "--global-batch-size", str(lay["gbs"]),
+        "--transformer-impl", impl,
+        "--lr", "1.5e-4", "--min-lr", "1.5e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--init-method-std", "0.006",
+        "--train-iters", str(a.iters), "--eval-iters", "0", "--eval-interval", str(a.iters + 1),
+        "--log-interval", "1", "--log-throughput", "--log-memory-interval", "1", "--seed", str(a.seed),
+    ]
+    flags += CPU_FLAGS if a.cpu_smoke else ["--bf16"]
+    if lay["tp"] > 1:
+        flags.append("--sequence-parallel")
+        if impl == "transformer_engine" and not a.no_tp_comm_overlap:
+            flags.append("--tp-comm-overlap")
+    if a.data_path:
+        if not (a.vocab_file and a.merge_file):
+            raise SystemExit("error: --data-path needs --vocab-file and --merge-file (GPT2BPETokenizer)")
+        flags += ["--data-path", abs_path(a.data_path), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                  abs_path(a.vocab_file), "--merge-file", abs_path(a.merge_file), "--split", "949,50,1"]
+    else:
+        flags += ["--mock-data", "--tokenizer-type", "NullTokenizer",
+                  "--vocab-size", "128" if a.cpu_smoke else "50257"]
+    return flags + list(a.extra)
+
+
+def stock_group_sizes(a: argparse.Namespace, lay: dict) -> list[int]:
+    """Stock's micro-batch group sizes to try: the command line's, else P and 2P where 2P divides M."""
+    if a.stock_group_sizes != "auto":
+        return [int(g) for g in a.stock_group_sizes.split(",") if g.strip()]
+    pp, m = lay["pp"], lay["m"]
+    return [pp] + ([2 * pp] if 2 * pp <= m and m % (2 * pp) == 0 else [])
+
+
+def variants(a: argparse.Namespace, lay: dict) -> list[Variant]:
+    """The variants of --variants in order (stock expanded per group size), with --add-variant's and each one's
+    --variant-flags."""
+    out: list[Variant] = []
+    groups = stock_group_sizes(a, lay)
+    table = {
+        "plugin-bf-distopt": Variant("plugin-bf-distopt", True, ["--pipeline-schedule", "breadth-first", *DIST_OPT],
+                                     "breadth-first, Megatron's distributed optimizer"),
+        "plugin-bf-zero3": Variant("plugin-bf-zero3", True, ["--pipeline-schedule", "breadth-first", "--zero-stage", "3"],
+                                   "breadth-first, the plugin's ZeRO-3"),
+        "plugin-izb-distopt": Variant("plugin-izb-distopt", True, ["--pipeline-schedule", "interleaved-zb", *DIST_OPT],
+                                      "interleaved zero-bubble (split backward), Megatron's distributed optimizer"),
+        "plugin-bfzb-zero3": Variant("plugin-bfzb-zero3", True,
+                                     ["--pipeline-schedule", "breadth-first-zb", "--zero-stage", "3"],
+                                     "breadth-first with W deferral (split backward), the plugin's ZeRO-3"),
+    }
+    for spec in a.add_variant:
+        name, _, rest = spec.partition("=")
+        kind, _, flags = rest.partition(":")
+        if not name or kind not in ("stock", "plugin"):
+            raise SystemExit(f"error: --add-variant {spec!r}: use NAME=stock:\"FLAGS\" or NAME=plugin:\"FLAGS\"")
+        table[name] = Variant(name, kind == "plugin", shlex.split(flags), f"added ({kind})")
+    for name in [v.strip() for v in a.variants.split(",") if v.strip()]:
+        if name == "stock":
+            for g in groups:
+                out.append(Variant("stock" if len(groups) == 1 else f"stock-g{g}", False,
+                                   [*DIST_OPT, "--microbatch-group-size-per-virtual-pipeline-stage", str(g)],
+                                   f"Megatron interleaved 1F1B, group size {g}, distributed optimizer"))
+        elif name in table:
+            out.append(table[name])
+        else:
+            raise SystemExit(f"error: --variants {name} unknown: choose from {', '.join(['stock', *table])}")
+    extra: dict[str, list[str]] = {}
+    for spec in a.variant_flags:
+        name, _, flags = spec.partition("=")
+        extra.setdefault(name, []).extend(shlex.split(flags))
+    names = {v.name for v in out}
+    for name, flags in extra.items():
+        targets = [v for v in out if v.name == name or (name == "stock" and v.name.startswith("stock"))]
+        if not targets:
+            raise SystemExit(f"error: --variant-flags {name}=...: no such variant among {', '.join(sorted(names))}")
+        for v in targets:
+            v.flags = v.flags + flags
+    return out
+
+
+def site_srun_args() -> list[str]:
+    return shlex.split(os.environ.get("BFPP_SRUN_ARGS", ""))
+
+
+def launch_prefix(a: argparse.Namespace, port: int, run_id: str, host: str = FIRST_NODE) -> list[str]:
+    """torchrun on this node, or srun + torchrun with its rendezvous on `host` (the allocation's first node)."""
+    if a.launcher == "srun":
+        return ["srun", f"--nodes={a.nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *site_srun_args(),
+                "torchrun", "--nnodes", str(a.nnodes), "--nproc-per-node", str(a.gpus_per_node),
+                "--rdzv-id", f"{os.environ.get('SLURM_JOB_ID', 'ab')}-{run_id}", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{host}:{port}"]
+    return ["torchrun", "--nnodes", "1", "--nproc-per-node", str(a.gpus_per_node), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"localhost:{port}"]
+
+
+def run_env(a: argparse.Namespace, mlm: str) -> dict[str, str]:
+    """The runs' environment: this package and the Megatron-LM checkout on the path (the CPU shim first under
+    --cpu-smoke)."""
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+               PYTHONUNBUFFERED="1")
+    paths = [str(ROOT), mlm]
+    if a.cpu_smoke:
+        paths.insert(0, str(CPU_SHIM))
+        env.update(BFPP_CPU_SHIM="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = ":".join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def plan(a: argparse.Namespace, mlm: str, out: Path, vs: list[Variant], flags: list[str],
+         host: str = FIRST_NODE) -> list[RunRecord]:
+    """Every run in order: repetitions interleaved A B C A B C, each with its own rendezvous port."""
+    script = str(Path(mlm) / "pretrain_gpt.py")
+    records, k = [], 0
+    for rep in range(1, a.reps + 1):
+        for v in vs:
+            log = out / f"{v.name}.rep{rep}.log"
+            vflags = flags + v.flags
+            timeline = None
+            if v.plugin:
+                timeline = str(out / f"{v.name}.rep{rep}.timeline.json")
+                vflags = vflags + ["--timeline", timeline]
+            entry = ["-m", "megatron_bfpp.run_megatron_script", script] if v.plugin else [script]
+            cmd = launch_prefix(a, a.master_port + k, f"{v.name}-{rep}", host) + entry + vflags
+            records.append(RunRecord(v.name, rep, str(log), cmd, timeline=timeline))
+            k += 1
+    return records
+
+
+def shell_line(cmd: list[str]) -> str:
+    return " ".join(shlex.quote(c) for c in cmd)
