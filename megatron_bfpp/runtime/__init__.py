@@ -4,10 +4,10 @@ from .executor import PipelineError, ScheduleExecutor
 from .forward_backward import (
     get_forward_backward_func, last_schedule, reset_runtime_groups, set_recorder, set_wait_timeout,
 )
-from .hooks import DataParallelDriver, MegatronConfigDriver, NullDriver
+from .hooks import DataParallelDriverProtocol, MegatronConfigDriver, NullDriver
 from .p2p import ChannelGroups, channel_groups
 from .recorder import ActionRecorder
 
 __all__ = ["get_forward_backward_func", "set_recorder", "set_wait_timeout", "last_schedule", "reset_runtime_groups",
-           "ChannelGroups", "channel_groups", "PipelineError", "ScheduleExecutor", "DataParallelDriver",
+           "ChannelGroups", "channel_groups", "PipelineError", "ScheduleExecutor", "DataParallelDriverProtocol",
            "MegatronConfigDriver", "NullDriver", "ActionRecorder"]

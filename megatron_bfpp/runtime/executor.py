@@ -2,7 +2,7 @@
 
 Every decision about order comes from the schedule; this module only carries actions out: compute through
 Megatron-Core's own `forward_step` / `backward_step` (same loss scaling, same output deallocation), p2p through
-`PipelineP2P`, data-parallel actions through a `DataParallelDriver`.
+`PipelineP2P`, data-parallel actions through a `DataParallelDriverProtocol`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from megatron.core.pipeline_parallel.schedules import (
 )
 
 from ..schedule.ir import COMPUTE_OPS, P2P_OPS, Action, Op, Schedule
-from .hooks import DataParallelDriver
+from .hooks import DataParallelDriverProtocol
 from .p2p import PendingTransfer, PipelineP2P
 from .recorder import ActionRecorder
 from .split_backward import (PendingWeightGrad, backward_input, backward_weight, deferring_weight_grads,
@@ -74,7 +74,7 @@ class ScheduleExecutor:
         config: Any,
         tensor_shape: tuple[int, ...],
         p2p: PipelineP2P,
-        driver: DataParallelDriver,
+        driver: DataParallelDriverProtocol,
         collect_non_loss_data: bool = False,
         first_val_step: bool | None = None,
         recorder: ActionRecorder | None = None,

@@ -20,7 +20,7 @@ from ..schedule.ir import GROUPED_SCHEDULES, SCHEDULE_NAMES, SPLIT_BACKWARD_SCHE
 from ..sharded.ddp import ShardedDataParallel
 from ..sharded.driver import ShardedDriver
 from .executor import PipelineError, ScheduleExecutor
-from .hooks import DataParallelDriver, MegatronConfigDriver
+from .hooks import DataParallelDriverProtocol, MegatronConfigDriver
 from .p2p import PipelineP2P, channel_groups
 from .recorder import ActionRecorder
 from .split_backward import splits_by_deferral, writes_main_grad_at_input_grad
@@ -86,7 +86,7 @@ def _dp_group(pg_collection: Any) -> dist.ProcessGroup | None:
     return None
 
 
-def _make_driver(model: Sequence[torch.nn.Module], config: Any) -> tuple[DataParallelDriver, int]:
+def _make_driver(model: Sequence[torch.nn.Module], config: Any) -> tuple[DataParallelDriverProtocol, int]:
     """Our sharded wrapper brings its own driver; anything else is driven through Megatron's config hooks."""
     if isinstance(model[0], ShardedDataParallel):
         driver = ShardedDriver(list(model))

@@ -1,9 +1,10 @@
 """What the runtime calls when it reaches a data-parallel action of the schedule.
 
-The runtime interprets GATHER / RELEASE / REDUCE actions by calling a `DataParallelDriver`; it never decides
-by itself when to communicate. Two drivers exist: `megatron_bfpp.sharded.ShardedDataParallel` (ZeRO-1/2/3 on
-flat per-chunk buffers) and `MegatronConfigDriver` below (stock Megatron DDP / distributed optimizer, through
-the `config.*_sync_func` hooks that Megatron-LM's `train()` wires).
+The runtime interprets GATHER / RELEASE / REDUCE actions by calling a driver, an object implementing
+`DataParallelDriverProtocol`; it never decides by itself when to communicate. The drivers:
+`megatron_bfpp.sharded.ShardedDriver` (ZeRO-1/2/3 on the flat per-chunk buffers of `ShardedDataParallel`),
+`MegatronConfigDriver` below (stock Megatron DDP / distributed optimizer, through the `config.*_sync_func` hooks
+that Megatron-LM's `train()` wires) and `NullDriver` (nothing to drive).
 
 `chunk` is the local model-chunk index on this pipeline rank (stage // P).
 """
@@ -16,7 +17,9 @@ from typing import ContextManager, Protocol, Sequence
 import torch
 
 
-class DataParallelDriver(Protocol):
+class DataParallelDriverProtocol(Protocol):
+    """What the runtime calls on a driver, at the points of the schedule named below."""
+
     def start_step(self, forward_only: bool) -> None:
         """Called once before the first action of a schedule run (zero/prepare gradient state if needed)."""
 

@@ -1,4 +1,4 @@
-"""`ShardedDriver`: the runtime's DataParallelDriver for a rank's `ShardedDataParallel` chunks.
+"""`ShardedDriver`: the runtime's driver (`DataParallelDriverProtocol`) for a rank's `ShardedDataParallel` chunks.
 
 The runtime calls it at the GATHER / RELEASE / REDUCE actions of the lowered schedule and before every
 F/B; the driver forwards each call to the chunk it names. It also makes the chunks share one `RankStats`,
@@ -46,7 +46,7 @@ def link_budget(chunks: Sequence[ShardedDataParallel]) -> BufferBudget:
 
 
 class ShardedDriver:
-    """Implements runtime.hooks.DataParallelDriver over the local chunks (index = stage // P)."""
+    """Implements runtime.hooks.DataParallelDriverProtocol over the local chunks (index = stage // P)."""
 
     def __init__(self, chunks: Sequence[ShardedDataParallel]) -> None:
         self.chunks = list(chunks)
