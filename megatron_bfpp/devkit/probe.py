@@ -5,7 +5,8 @@ the project, so it reports the environment as it is before and after the kit's i
 
 Keys: python, torch, cuda (torch's CUDA build), nccl, gpus (device names; empty without CUDA), modules ({name:
 version or null when it does not import}) for numpy, packaging, megatron.core, megatron_bfpp, with errors
-({name: the import error}), transformer_engine ({"version"} or {"error"}).
+({name: the import error}), transformer_engine ({"version"} or {"error"}). The GPU check (scripts/gpu_check.sh)
+imports its TransformerEngine and apex checks.
 """
 
 from __future__ import annotations
@@ -55,14 +56,31 @@ def probe(device: str) -> dict:
         except Exception as e:
             facts["modules"][name] = None
             facts["errors"][name] = f"{type(e).__name__}: {e}"
+    facts["transformer_engine"] = transformer_engine_facts()
+    return facts
+
+
+def transformer_engine_facts() -> dict:
+    """{"version"} when TransformerEngine's PyTorch layers import (those Megatron-LM builds), else {"error"}."""
     try:
         import transformer_engine
         import transformer_engine.pytorch  # noqa: F401  (the layers Megatron-LM builds)
 
-        facts["transformer_engine"] = {"version": str(getattr(transformer_engine, "__version__", "unknown"))}
+        return {"version": str(getattr(transformer_engine, "__version__", "unknown"))}
     except Exception as e:  # not installed, or built against another torch
-        facts["transformer_engine"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    return facts
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def apex_fused_wgrad() -> bool:
+    """Whether apex's fused_weight_gradient_mlp_cuda imports after torch, as Megatron-Core's tensor_parallel/layers.py
+    imports it (without it Megatron-LM's default gradient-accumulation fusion fails in ColumnParallelLinear)."""
+    try:
+        import torch  # noqa: F401  (the extension links against torch's libraries)
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+
+        return True
+    except Exception:
+        return False
 
 
 def main(argv: list[str]) -> int:

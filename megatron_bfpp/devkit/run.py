@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shutil
@@ -26,6 +25,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from .iterations import ELAPSED_RE, ITERATION_RE, LOSS_RE, losses_agree, relative_differences
 from .plan import (ALL_ITERATIONS_RTOL, DEFAULT_BUDGET_S, DEVICES, FIRST_ITERATION_RTOL, MAX_RESULT_FILES,
                    MEGATRON_FLAGS, REPORT_NAME, SHAPES, TRAIN_FLAGS, Budget, Leg, LegResult, dry_run_text,
                    exit_code, group_logs, log_of, make_report, plan_legs)
@@ -37,9 +37,6 @@ WORK = "devkit/work"           # Megatron-LM's unpacked tree, the runs' reports 
 MANIFEST = "manifest.json"
 LEG_LOG_TAIL_BYTES = 400_000   # a leg's output kept in its log (head and tail beyond that)
 
-ITERATION_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)$")
-LOSS_RE = re.compile(r"lm loss: ([0-9.eE+-]+)")
-ELAPSED_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 NCCL_WORDS_RE = re.compile(r"(NCCL WARN.*|.*NCCL error.*|.*Duplicate GPU detected.*|.*ncclInvalidUsage.*|"
                            r".*ncclSystemError.*|.*ncclInternalError.*|.*ncclUnhandledCudaError.*)")
 
@@ -63,14 +60,12 @@ def compare_losses(losses: list[float], ref: list[float]) -> tuple[bool, str]:
     ALL_ITERATIONS_RTOL at every iteration, same number of iterations, all finite."""
     if not losses or not ref:
         return False, "no losses to compare" if not losses else "the reference has no losses"
-    n = min(len(losses), len(ref))
-    rel = [abs(a - b) / abs(b) if b else math.inf for a, b in zip(losses[:n], ref[:n])]
-    ok = (len(losses) == len(ref) and all(math.isfinite(x) for x in losses) and rel[0] <= FIRST_ITERATION_RTOL
-          and max(rel) <= ALL_ITERATIONS_RTOL)
-    return ok, (f"losses {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} iterations; relative difference "
-                f"to the reference {rel[0]:.1e} at iteration 1 (<= {FIRST_ITERATION_RTOL:g}), max {max(rel):.1e} "
-                f"(<= {ALL_ITERATIONS_RTOL:g})" + ("" if len(losses) == len(ref) else
-                                                  f"; {len(losses)} iterations against {len(ref)}"))
+    rel = relative_differences(losses, ref)
+    return losses_agree(losses, ref), (
+        f"losses {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} iterations; relative difference to the "
+        f"reference {rel[0]:.1e} at iteration 1 (<= {FIRST_ITERATION_RTOL:g}), max {max(rel):.1e} "
+        f"(<= {ALL_ITERATIONS_RTOL:g})" + ("" if len(losses) == len(ref) else
+                                          f"; {len(losses)} iterations against {len(ref)}"))
 
 
 def nccl_words(output: str) -> list[str]:
