@@ -11,6 +11,9 @@
 - `workers`  what the legs run besides the trainer: the Megatron-LM script runner with the kit's dataset
              helpers, the host-synchronisation count, peak memory against the simulator, the environment facts.
 - `probe`    a stdlib-only script run by path: what the bare environment already has.
+- `iterations` Megatron-style iteration lines and the bf16 loss agreement with a reference run.
+- `gpu_check` the Python side of the multi-GPU check (`scripts/gpu_check.sh`): its probe, layer benchmark and
+             summary, on the kit's iteration lines, probes and memory prediction.
 
 Every module but `workers` imports only the standard library at import time, so the kit starts before anything
 is installed.
