@@ -1,5 +1,6 @@
-"""Timelines of real and simulated runs: Chrome traces, metrics, PNG drawings (`bfpp draw`), run reports
-(`bfpp report`). Importing the package does not import matplotlib; `trace.draw` does."""
+"""Timelines of real and simulated runs: Chrome traces, metrics, PNG drawings (`bfpp draw`), the trainer's run
+reports (`run_report`) and their side-by-side summary (`bfpp report`). Importing the package does not import
+matplotlib; `trace.draw` does."""
 
 from .chrome import load_chrome_trace, merge_rank_files, write_chrome_trace, write_rank_file
 from ..schedule.events import STREAMS, TimelineEvent

@@ -1,4 +1,5 @@
-"""Side-by-side summary of trainer `--report-json` files: the A/B table users paste into a discussion.
+"""Side-by-side summary of trainer `--report-json` files (written by `run_report`): the A/B table users paste
+into a discussion.
 
 A report is a JSON object with at least "config", "losses", "iteration_times_s" and "tokens_per_s"; the
 optional blocks "measured" (from `metrics.IterationMetrics.to_dict()`, plus per-rank "peak_memory_bytes"),

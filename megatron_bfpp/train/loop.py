@@ -8,15 +8,14 @@ Run under torchrun (`torchrun --nproc-per-node 4 -m megatron_bfpp.train ...`) or
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from . import report
 from .faults import FaultInjector
 from .config import TrainerConfigError, parse_trainer_args
 
@@ -26,7 +25,8 @@ def _log(msg: str) -> None:
 
 
 class Trainer:
-    """Builds model, data, optimizer and schedule from parsed args; runs iterations; writes reports."""
+    """Builds model, data, optimizer and schedule from parsed args; runs iterations; hands what it recorded to
+    `report` (run report, timeline)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         from megatron.core import parallel_state as ps
@@ -207,7 +207,7 @@ class Trainer:
         return loss_sum / tokens if tokens > 0 else float("nan")
 
     def run(self) -> dict:
-        from ..runtime import ActionRecorder, set_recorder
+        from ..runtime import ActionRecorder, last_schedule, set_recorder
 
         a = self.args
         record_iters = set(a.timeline_iterations) | {a.train_iters}
@@ -249,8 +249,17 @@ class Trainer:
         set_recorder(None)
         if not self.losses:  # resumed at or past --train-iters
             return {}
-        report = self._report(recorder)
-        return report
+        per_rank = report.gather_rank_stats(self.model, self.optimizer, recorder.events, self.device, a.zero_stage)
+        if self.rank != 0:
+            return {}
+        sched = last_schedule()
+        return report.publish_run_report(
+            a, per_rank, schedule=sched.name if sched else a.pipeline_schedule,
+            config=report.run_config(a, pp=self.pp, vp=self.vp, dp=self.dp, microbatches=self.num_microbatches),
+            losses=self.losses, first_iteration=self.iteration - len(self.losses) + 1,
+            skipped_iterations=self.skipped_iterations, loss_scales=self.loss_scales,
+            iteration_times=self.iteration_times, log=_log,
+        )
 
     def _log_line(self, loss: float, dt: float, tokens: int, grad_norm: float | None, ok: bool) -> str:
         a = self.args
@@ -269,140 +278,6 @@ class Trainer:
             parts.append(f"grad norm: {grad_norm:.3f}")
         parts.append(f"number of skipped iterations: {0 if ok else 1:3d}")
         return " | ".join(parts) + " |"
-
-    # -- reporting --------------------------------------------------------------------------------------------
-
-    def _report(self, recorder) -> dict:
-        from ..runtime import last_schedule
-
-        a = self.args
-        per_rank = {
-            "comm": self._comm_stats(),
-            "memory": self._memory_stats(recorder),
-            "events": [e.to_dict() for e in recorder.events],
-        }
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, per_rank)
-        report: dict[str, Any] = {}
-        if self.rank == 0:
-            from ..schedule.events import TimelineEvent
-
-            events = [TimelineEvent.from_dict(e) for g in gathered for e in g["events"]]
-            times = self.iteration_times
-            steady = times[1:] if len(times) > 1 else times
-            median = sorted(steady)[len(steady) // 2]
-            report = {
-                "config": self._config_dict(),
-                "losses": self.losses,
-                "first_iteration": self.iteration - len(self.losses) + 1,
-                "skipped_iterations": self.skipped_iterations,
-                "loss_scales": self.loss_scales,
-                "iteration_times_s": times,
-                "tokens_per_s": a.global_batch_size * a.seq_length / median,
-                "comm": [g["comm"] for g in gathered],
-                "memory": [g["memory"] for g in gathered],
-            }
-            last = [e for e in events if e.iteration == a.train_iters]
-            if last:
-                from ..trace.metrics import iteration_metrics
-
-                measured = iteration_metrics(last, a.train_iters).to_dict()
-                peak_of = {m["rank"]: m["peak_bytes"] for m in report["memory"]}
-                for r in measured["per_rank"]:
-                    r["peak_memory_bytes"] = peak_of.get(r["rank"])
-                measured["peak_memory_bytes"] = max(peak_of.values())
-                report["measured"] = measured
-            report["predicted"] = self._prediction()
-            predicted = report["predicted"] or {}
-            if isinstance(predicted.get("bubble_fraction"), (int, float)):
-                # The simulator's bubble is relative to compute; idle / step time compares with the measurement.
-                b = predicted["bubble_fraction"]
-                predicted["bubble"] = b / (1 + b)
-            if "measured" in report:
-                _log(self._measured_line(report["measured"], predicted))
-            if a.timeline:
-                from ..trace.chrome import write_chrome_trace
-
-                wanted = set(a.timeline_iterations) or {a.train_iters}
-                write_chrome_trace([e for e in events if e.iteration in wanted], a.timeline,
-                                   metadata={"config": report["config"]})
-                _log(f"timeline written to {a.timeline}")
-            if a.report_json:
-                _atomic_write_json(a.report_json, report)
-                _log(f"report written to {a.report_json}")
-            sched = last_schedule()
-            _log(f"done: {a.train_iters} iterations, schedule {sched.name if sched else a.pipeline_schedule}, "
-                 f"final lm loss {self.losses[-1]:.4f}, {report['tokens_per_s']:.1f} tokens/s")
-        return report
-
-    @staticmethod
-    def _measured_line(measured: dict, predicted: dict) -> str:
-        """Per-rank bubble, exposed waits and peak memory of the last iteration, next to the prediction."""
-        ranks = " ".join(
-            f"r{r['rank']}={r['bubble']:.0%}/{r['exposed_dp_wait_s'] * 1e3:.0f}ms/{r['exposed_p2p_wait_s'] * 1e3:.0f}ms/"
-            f"{(r.get('peak_memory_bytes') or 0) / 2**20:.1f}MiB" for r in measured["per_rank"])
-        line = (f"measured (iteration {measured['iteration']}): bubble {measured['bubble']:.1%}, exposed dp wait "
-                f"{measured['exposed_dp_wait_s'] * 1e3:.1f} ms, exposed p2p wait "
-                f"{measured['exposed_p2p_wait_s'] * 1e3:.1f} ms, peak memory "
-                f"{measured['peak_memory_bytes'] / 2**20:.1f} MiB | per rank bubble/dp/p2p/peak: {ranks}")
-        if isinstance(predicted.get("bubble"), float):
-            line += f" | predicted bubble {predicted['bubble']:.1%} ({predicted.get('basis', 'simulator')})"
-        return line
-
-    def _comm_stats(self) -> dict:
-        from ..runtime.forward_backward import last_run_stats
-        from ..sharded.driver import link_stats
-
-        stats = link_stats(self.model).comm_stats()
-        stats["pp_send_bytes"] = last_run_stats().get("pp_send_bytes", 0)
-        stats["rank"] = self.rank
-        return stats
-
-    def _memory_stats(self, recorder) -> dict:
-        from ..runtime.forward_backward import last_run_stats
-        from ..sharded.driver import memory_stats
-
-        mem: dict[str, Any] = dict(memory_stats(self.model, self.optimizer))
-        mem["rank"] = self.rank
-        mem["peak_activation_bytes"] = last_run_stats().get("peak_activation_bytes", 0)
-        if self.device.type == "cuda":
-            mem["peak_bytes"] = torch.cuda.max_memory_allocated()
-        else:  # what the runtime holds: resident model state, gathered weights and gradients, saved activations
-            full_grads = mem["peak_full_grad_bytes"] if self.args.zero_stage >= 2 else 0  # ZeRO-1: in grad_bytes
-            mem["peak_bytes"] = int(mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_bytes"]
-                                    + mem["peak_gathered_param_bytes"] + full_grads + mem["peak_activation_bytes"])
-        return mem
-
-    def _prediction(self) -> dict | None:
-        try:
-            from ..sim.predict import predict_for_trainer
-        except ImportError:
-            return None
-        return predict_for_trainer(self.args, self.iteration_times)
-
-    def _config_dict(self) -> dict:
-        a = self.args
-        return {
-            "pipeline_schedule": a.pipeline_schedule, "pp": self.pp, "vp": self.vp, "dp": self.dp,
-            "tp": a.tensor_model_parallel_size, "zero_stage": a.zero_stage, "microbatches": self.num_microbatches,
-            "group_size": a.microbatch_group_size_per_vp_stage, "num_layers": a.num_layers,
-            "hidden_size": a.hidden_size, "num_attention_heads": a.num_attention_heads, "seq_length": a.seq_length,
-            "micro_batch_size": a.micro_batch_size, "global_batch_size": a.global_batch_size,
-            "train_iters": a.train_iters, "lr": a.lr, "seed": a.seed, "vocab_size": a.padded_vocab_size,
-            "tied_embeddings": not a.untie_embeddings_and_output_weights, "recompute": a.recompute_granularity,
-            "dtype": "bf16" if a.bf16 else "fp16" if a.fp16 else "fp32", "world_size": dist.get_world_size(),
-            "data": a.data_path or "mock",
-        }
-
-
-def _atomic_write_json(path: str, obj: dict) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
