@@ -161,12 +161,13 @@ def plan_legs(device: str) -> list[Leg]:
 def consecutive_ws(leg: Leg, device: str) -> int | None:
     """How many times a W follows a W of the same stage on a rank in a split-backward leg's schedule (the case
     TransformerEngine's delayed weight gradients and Megatron's DDP hooks must get right); None otherwise."""
+    from ..schedule import SPLIT_BACKWARD_SCHEDULES, build
+    from ..schedule.ir import Op
+
     flags = list(leg.flags)
     schedule = _flag(flags, "--pipeline-schedule")
-    if schedule not in ("breadth-first-zb", "interleaved-zb", "zb-h1"):
+    if schedule not in SPLIT_BACKWARD_SCHEDULES:
         return None
-    from ..schedule import build
-    from ..schedule.ir import Op
 
     shape = SHAPES[device]
     pp = int(_flag(flags, "--pipeline-model-parallel-size") or 1)

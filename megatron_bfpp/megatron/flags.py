@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
+from ..schedule.kinds import KINDS
+
 # "default" keeps Megatron's own choice of schedule; the others run the plugin's runtime.
-PIPELINE_SCHEDULES = ("default", "1f1b", "interleaved-1f1b", "breadth-first", "breadth-first-zb", "interleaved-zb",
-                      "zb-h1")
+PIPELINE_SCHEDULES = ("default", *(name for name, kind in KINDS.items() if kind.megatron_choice))
 DEFAULT_BUFFERS = 2
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]

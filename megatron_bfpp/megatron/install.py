@@ -21,7 +21,7 @@ import warnings
 from typing import Any, Callable
 
 from . import compat
-from ..schedule.ir import SPLIT_BACKWARD_SCHEDULES
+from ..schedule.kinds import SPLIT_BACKWARD_SCHEDULES
 from .validation import PluginConfig, validate_args
 
 # (module object, attribute, original value) for everything rebound, in order; restored in reverse.
@@ -186,13 +186,7 @@ def delayed_wgrad_post_init(original: Callable) -> Callable:
 
 def make_forward_backward_getter(cfg: PluginConfig, factory: Callable, original: Callable) -> Callable:
     """The replacement for Megatron's `get_forward_backward_func`: same parameters (0.16 and 0.19), our schedule."""
-    options = _accepted(
-        factory,
-        pipeline_schedule=cfg.pipeline_schedule,
-        microbatch_group_size=cfg.microbatch_group_size,
-        weight_buffers=cfg.weight_buffers,
-        grad_buffers=cfg.grad_buffers,
-    )
+    options = _accepted(factory, schedule=cfg.schedule)
     recorder = None
     if cfg.timeline:
         from .timeline import TimelineRecorder

@@ -8,13 +8,14 @@ to Megatron flag names.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import os
 import re
 from dataclasses import dataclass
 
-from megatron_bfpp.schedule import ScheduleError, build, lower
-from megatron_bfpp.schedule.ir import SPLIT_BACKWARD_SCHEDULES
+from megatron_bfpp.schedule import ScheduleError, ScheduleSpec
+from megatron_bfpp.schedule.kinds import SPLIT_BACKWARD_SCHEDULES, megatron_kind
 
 from .flags import DEFAULT_BUFFERS, PIPELINE_SCHEDULES
 
@@ -23,20 +24,52 @@ class ConfigError(ValueError):
     """A bad combination of Megatron-LM and megatron_bfpp flags; the message says which flags and the fix."""
 
 
-@dataclass(frozen=True)
+# What `bfpp check` prints of a PluginConfig (its repr), in this order.
+_REPORTED = ("pipeline_schedule", "zero_stage", "weight_buffers", "grad_buffers", "timeline", "pp", "vp",
+             "microbatch_group_size", "train_microbatches", "eval_microbatches")
+
+
+@dataclass(frozen=True, repr=False)
 class PluginConfig:
     """What `install()` needs, resolved from the arguments."""
 
     pipeline_schedule: str  # one of PIPELINE_SCHEDULES
-    zero_stage: int | None
-    weight_buffers: int
-    grad_buffers: int
+    # The schedule the flags name, with the largest training M (each call of the runtime sets its own M); under
+    # "default" Megatron's own order for V, which Megatron runs itself.
+    schedule: ScheduleSpec
     timeline: str | None
-    pp: int  # P: pipeline-parallel size
-    vp: int  # V: stages per pipeline rank (1 without virtual stages)
-    microbatch_group_size: int | None  # G; None: the schedule's default (P interleaved, M breadth-first)
     train_microbatches: tuple[int, ...]  # every M the training loop can run with (batch-size schedules)
     eval_microbatches: int | None
+
+    def __repr__(self) -> str:
+        return f"PluginConfig({', '.join(f'{k}={getattr(self, k)!r}' for k in _REPORTED)})"
+
+    @property
+    def zero_stage(self) -> int | None:
+        return self.schedule.zero_stage
+
+    @property
+    def weight_buffers(self) -> int:
+        return self.schedule.weight_buffers
+
+    @property
+    def grad_buffers(self) -> int:
+        return self.schedule.grad_buffers
+
+    @property
+    def pp(self) -> int:
+        """P: pipeline-parallel size."""
+        return self.schedule.pp
+
+    @property
+    def vp(self) -> int:
+        """V: stages per pipeline rank (1 without virtual stages)."""
+        return self.schedule.vp
+
+    @property
+    def microbatch_group_size(self) -> int | None:
+        """G; None: the schedule's default (P interleaved, M breadth-first)."""
+        return self.schedule.group_size
 
     @property
     def uses_runtime(self) -> bool:
@@ -135,10 +168,11 @@ def _check_schedule(cfg: PluginConfig, args: argparse.Namespace) -> None:
     if cfg.eval_microbatches is not None:
         runs.append((cfg.eval_microbatches, True, "evaluation, --eval-global-batch-size"))
     for m, forward_only, what in runs:
+        spec = dataclasses.replace(cfg.schedule, microbatches=m, forward_only=forward_only)
         try:
-            sched = build(cfg.pipeline_schedule, cfg.pp, cfg.vp, m, cfg.microbatch_group_size, forward_only)
-            if cfg.zero_stage is not None and not forward_only:
-                lower(sched, cfg.zero_stage, cfg.weight_buffers, cfg.grad_buffers)
+            order = spec.order()
+            if spec.zero_stage is not None and not forward_only:
+                spec.lower(order)
         except ScheduleError as e:
             raise ConfigError(megatron_flag_text(str(e)) + where(m, what)) from None
 
@@ -194,14 +228,14 @@ def _check_transformer_engine_graph_order(cfg: PluginConfig, args: argparse.Name
     per-rank order of F and B equals Megatron's."""
     group = int(_flag(args, "microbatch_group_size_per_vp_stage") or cfg.pp)
     for m in cfg.train_microbatches:
-        sched = build(cfg.pipeline_schedule, cfg.pp, cfg.vp, m, cfg.microbatch_group_size)
+        sched = dataclasses.replace(cfg.schedule, microbatches=m).order()
         for rank in range(cfg.pp):
             ours = [f"{a.op.value}{a.stage // cfg.pp}:{a.microbatch}" for a in sched.compute_actions(rank)]
             theirs = _megatron_graph_capture_order(cfg.pp, rank, cfg.vp, m, group)
             if ours == theirs:
                 continue
             k = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs)))
-            same = "interleaved-1f1b" if cfg.vp > 1 else "1f1b"
+            same = megatron_kind(cfg.vp)
             raise ConfigError(
                 f"{graph_flag} (TransformerEngine per-layer CUDA graphs) with --pipeline-schedule "
                 f"{cfg.pipeline_schedule}: Megatron captures the graphs in its own schedule's order into one memory "
@@ -404,13 +438,13 @@ def validate_args(args: argparse.Namespace) -> PluginConfig:
     train_m, eval_m = _microbatch_counts(args)
     cfg = PluginConfig(
         pipeline_schedule=schedule,
-        zero_stage=zero,
-        weight_buffers=wbuf if wbuf is not None else DEFAULT_BUFFERS,
-        grad_buffers=gbuf if gbuf is not None else DEFAULT_BUFFERS,
+        schedule=ScheduleSpec(
+            schedule if runtime else megatron_kind(vp), pp, vp, train_m[-1],
+            int(group) if group is not None else None, zero_stage=zero,
+            weight_buffers=wbuf if wbuf is not None else DEFAULT_BUFFERS,
+            grad_buffers=gbuf if gbuf is not None else DEFAULT_BUFFERS,
+        ),
         timeline=timeline,
-        pp=pp,
-        vp=vp,
-        microbatch_group_size=int(group) if group is not None else None,
         train_microbatches=train_m,
         eval_microbatches=eval_m,
     )

@@ -1,22 +1,22 @@
 """A drop-in for Megatron-Core's `get_forward_backward_func()` result, running our schedules.
 
-`get_forward_backward_func("breadth-first")` returns a function with the keyword signature Megatron-LM's
-`train_step` / `evaluate` use. Each call builds (cached) and validates the lowered schedule for the call's
-number of micro-batches, checks with the other pipeline and data-parallel ranks that they run the same one, and
-executes it.
+`get_forward_backward_func("breadth-first")` (or a `ScheduleSpec`) returns a function with the keyword signature
+Megatron-LM's `train_step` / `evaluate` use. Each call completes the spec for the call (P, V, its number of
+micro-batches, forward-only, the ZeRO stage and the split-backward settings of its model chunks), builds
+(cached) and validates that lowered schedule, checks with the other pipeline and data-parallel ranks that they
+run the same one (the spec's fingerprint), and executes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import zlib
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..schedule import Schedule, make_schedule
-from ..schedule.ir import GROUPED_SCHEDULES, SCHEDULE_NAMES, SPLIT_BACKWARD_SCHEDULES
+from ..schedule import SCHEDULE_NAMES, Schedule, ScheduleSpec
 from ..sharded.ddp import ShardedDataParallel
 from ..sharded.driver import ShardedDriver
 from .executor import PipelineError, ScheduleExecutor
@@ -58,11 +58,8 @@ def last_run_stats() -> dict:
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_schedule(name: str, pp: int, vp: int, m: int, g: int | None, zero: int | None, forward_only: bool,
-                     nw: int, ng: int, w_needs_weights: bool, i_writes_grads: bool) -> Schedule:
-    return make_schedule(name, pp, vp, m, g, zero_stage=zero, lowered=True, forward_only=forward_only,
-                         weight_buffers=nw, grad_buffers=ng, w_needs_weights=w_needs_weights,
-                         i_writes_grads=i_writes_grads)
+def _cached_schedule(spec: ScheduleSpec) -> Schedule:
+    return spec.build(lowered=True)
 
 
 def _pp_group(pg_collection: Any) -> dist.ProcessGroup | None:
@@ -94,21 +91,17 @@ def _make_driver(model: Sequence[torch.nn.Module], config: Any) -> tuple[DataPar
     return MegatronConfigDriver(model, config), 1
 
 
-def _handshake(schedule: Schedule, groups: dict[str, dist.ProcessGroup | None], device: torch.device) -> None:
-    """All ranks of the pipeline and data-parallel groups must execute the same schedule: compare fingerprints.
+def _handshake(spec: ScheduleSpec, groups: dict[str, dist.ProcessGroup | None], device: torch.device) -> None:
+    """All ranks of the pipeline and data-parallel groups must execute the same schedule: compare the
+    fingerprints of their specs (every field of `ScheduleSpec`).
 
-    Once per distinct (schedule, groups): the exchange syncs the host, so it must not run every iteration.
+    Once per distinct (spec, groups): the exchange syncs the host, so it must not run every iteration.
     Every rank of a group sees the same sequence of schedules, so all of them skip or exchange together.
     """
-    fields = [zlib.crc32(schedule.name.encode()), schedule.pp, schedule.vp, schedule.microbatches,
-              schedule.group_size or 0, schedule.zero_stage or 0, int(schedule.forward_only),
-              schedule.weight_buffers, schedule.grad_buffers, int(schedule.w_needs_weights),
-              int(schedule.i_writes_grads)]
+    names, fields = (list(x) for x in zip(*spec.fingerprint()))
     key = (tuple(fields), tuple(tuple(dist.get_process_group_ranks(g)) if g is not None else () for g in groups.values()))
     if key in _state["agreed"]:
         return
-    names = ["schedule", "P", "V", "M", "group size", "ZeRO stage", "forward-only", "weight buffers",
-             "grad buffers", "W needs weights", "I writes gradients"]
     mine = torch.tensor(fields, dtype=torch.int64, device=device)
     for kind, group in groups.items():
         if group is None or dist.get_world_size(group) == 1:
@@ -129,14 +122,27 @@ def _handshake(schedule: Schedule, groups: dict[str, dist.ProcessGroup | None], 
 
 
 def get_forward_backward_func(
-    pipeline_schedule: str = "breadth-first",
+    schedule: ScheduleSpec | str = "breadth-first",
     microbatch_group_size: int | None = None,
     weight_buffers: int = 2,
     grad_buffers: int = 2,
 ) -> Callable:
-    """Return a forward_backward function with Megatron-Core's signature that runs `pipeline_schedule`."""
+    """Return a forward_backward function with Megatron-Core's signature that runs `schedule`: a spec, of which
+    the kind, the group size (None: the kind's default) and the buffer counts are used (each call sets the rest),
+    or a kind's name with those given here."""
+    if isinstance(schedule, str):
+        # P, V and M are placeholders: every call sets them.
+        spec = ScheduleSpec(schedule, 1, 1, 1, microbatch_group_size, weight_buffers=weight_buffers,
+                            grad_buffers=grad_buffers)
+    elif (microbatch_group_size, weight_buffers, grad_buffers) != (None, 2, 2):
+        raise ValueError("get_forward_backward_func: with a ScheduleSpec, give the group size and buffer counts "
+                         "in the spec")
+    else:
+        spec = schedule
+    pipeline_schedule = spec.kind
     if pipeline_schedule not in SCHEDULE_NAMES:
         raise ValueError(f"unknown --pipeline-schedule {pipeline_schedule!r}: choose one of {', '.join(SCHEDULE_NAMES)}")
+    kind = spec.schedule_kind
 
     def forward_backward(
         *,
@@ -170,29 +176,33 @@ def get_forward_backward_func(
         pp = dist.get_world_size(pp_group) if pp_group is not None else 1
         pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
         vp = len(chunks)
-        group = microbatch_group_size
-        if group is None and pipeline_schedule == "interleaved-1f1b":
-            # Megatron's config defaults it to its own P; a value below ours is that default, not a choice.
+        group = spec.group_size
+        if group is None and kind.megatron_order and kind.takes_group_size:
+            # Megatron's config carries the group size of its own order, defaulting to its P; a value below
+            # the kind's default is that default, not a choice.
+            default = kind.group_size_for(pp, num_microbatches, None)
             configured = getattr(config, "microbatch_group_size_per_vp_stage", None)
-            group = configured if configured and configured >= pp else pp
+            group = configured if configured and configured >= default else default
         if group is not None:
             group = min(group, num_microbatches)  # evaluation and batch-size ramp-up run fewer micro-batches
-        if pipeline_schedule not in GROUPED_SCHEDULES:
+        if not kind.takes_group_size:
             group = None
         driver, zero = _make_driver(chunks, config)
         if forward_only:
             zero_for_schedule = 3 if zero == 3 else None  # ZeRO-3 still gathers; nothing to reduce
         else:
             zero_for_schedule = zero
-        # A W that only runs deferred weight GEMMs reads kept activations, not weights (ZeRO-3 may release
-        # them after the stage's last I); on chunks split on the autograd graph it may read them.
-        w_needs_weights = not (pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
-                               and all(splits_by_deferral(c) for c in chunks))
-        # Layers that run a fused backward whole at I write main_grad there: ZeRO-2/3 hold the buffer from the I.
-        i_writes_grads = (pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
-                          and any(writes_main_grad_at_input_grad(c, config) for c in chunks))
-        schedule = _cached_schedule(pipeline_schedule, pp, vp, num_microbatches, group, zero_for_schedule,
-                                    bool(forward_only), weight_buffers, grad_buffers, w_needs_weights, i_writes_grads)
+        call = dataclasses.replace(
+            spec, pp=pp, vp=vp, microbatches=num_microbatches, group_size=group, zero_stage=zero_for_schedule,
+            forward_only=bool(forward_only),
+            # A W that only runs deferred weight GEMMs reads kept activations, not weights (ZeRO-3 may release
+            # them after the stage's last I); on chunks split on the autograd graph it may read them.
+            w_needs_weights=not (kind.split_backward and all(splits_by_deferral(c) for c in chunks)),
+            # Layers that run a fused backward whole at I write main_grad there: ZeRO-2/3 hold the buffer from
+            # the I.
+            i_writes_grads=kind.split_backward and any(writes_main_grad_at_input_grad(c, config) for c in chunks),
+        ).resolved()  # the kind's default group size written in, as the schedule carries it
+        schedule = _cached_schedule(call)
         _state["last_schedule"] = schedule
         if hasattr(driver, "set_buffer_limits"):  # the sharded driver keeps the schedule's buffer bounds
             driver.set_buffer_limits(schedule.weight_buffers, schedule.grad_buffers)
@@ -217,7 +227,7 @@ def get_forward_backward_func(
         tensor_shape = (seq, micro_batch_size, config.hidden_size)
 
         if dist.is_initialized():
-            _handshake(schedule, {"pipeline": pp_group, "data": _dp_group(pg_collection)},
+            _handshake(call, {"pipeline": pp_group, "data": _dp_group(pg_collection)},
                        device if device.type == "cuda" else torch.device("cpu"))
         key = tuple(dist.get_process_group_ranks(pp_group)) if pp_group is not None else (0,)
         p2p = _state["p2p"].get((key, device))

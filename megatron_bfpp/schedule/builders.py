@@ -1,17 +1,21 @@
 """Schedule builders: the only place where pipeline ordering is decided.
 
 Each builder returns, per pipeline rank, the order of compute actions: F and B, or F, I and W for the split
-backward schedules. Stage s lives on rank s mod P.
+backward schedules. Stage s lives on rank s mod P. Every builder takes (P, V, M, group size, forward-only) and
+is called by `kinds.build`, which has checked P, V, M, the kind's rule on V and whether it takes a group size,
+and passes the group size with the kind's default applied (None for kinds without one): a builder checks only
+what is particular to its order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from .ir import Action, Op, Schedule, ScheduleError, SCHEDULE_NAMES
+from .ir import Action, Op, Schedule, ScheduleError
 
 
-def _check_common(pp: int, vp: int, microbatches: int) -> None:
+def check_common(pp: int, vp: int, microbatches: int) -> None:
+    """P, V and M are positive (what every kind needs)."""
     if pp < 1:
         raise ScheduleError(f"--pp (--pipeline-model-parallel-size) must be >= 1 (got {pp})")
     if vp < 1:
@@ -20,9 +24,8 @@ def _check_common(pp: int, vp: int, microbatches: int) -> None:
         raise ScheduleError(f"--microbatches must be >= 1 (got {microbatches})")
 
 
-def gpipe(pp: int, microbatches: int, forward_only: bool = False) -> Schedule:
+def gpipe(pp: int, vp: int, microbatches: int, group_size: int | None, forward_only: bool) -> Schedule:
     """All forwards, then all backwards (V = 1)."""
-    _check_common(pp, 1, microbatches)
     ranks = []
     for r in range(pp):
         acts = [Action(Op.F, r, m) for m in range(microbatches)]
@@ -32,9 +35,8 @@ def gpipe(pp: int, microbatches: int, forward_only: bool = False) -> Schedule:
     return Schedule("gpipe", pp, 1, microbatches, None, ranks, forward_only=forward_only)
 
 
-def one_f_one_b(pp: int, microbatches: int, forward_only: bool = False) -> Schedule:
+def one_f_one_b(pp: int, vp: int, microbatches: int, group_size: int | None, forward_only: bool) -> Schedule:
     """Megatron-Core's non-interleaved 1F1B: P - r - 1 warm-up forwards, then alternate, then drain."""
-    _check_common(pp, 1, microbatches)
     ranks = []
     for r in range(pp):
         if forward_only:
@@ -64,12 +66,7 @@ def interleaved_warmup(pp: int, rank: int, vp: int, microbatches: int, group_siz
     return min(warmup, microbatches * vp)
 
 
-def check_interleaved(pp: int, vp: int, microbatches: int, group_size: int) -> None:
-    if vp < 2:
-        raise ScheduleError(
-            "--schedule (--pipeline-schedule) interleaved-1f1b needs virtual stages: set --vp (or "
-            "--num-layers-per-virtual-pipeline-stage) so that V >= 2, or use 1f1b for V = 1"
-        )
+def _check_interleaved(pp: int, microbatches: int, group_size: int) -> None:
     if microbatches < pp:
         raise ScheduleError(
             f"interleaved-1f1b needs at least P={pp} micro-batches (got M={microbatches}): raise the global "
@@ -88,13 +85,10 @@ def check_interleaved(pp: int, vp: int, microbatches: int, group_size: int) -> N
         )
 
 
-def interleaved_1f1b(
-    pp: int, vp: int, microbatches: int, group_size: int | None = None, forward_only: bool = False
-) -> Schedule:
-    """Depth-first: Megatron-Core's interleaved 1F1B order, with its micro-batch group size (default P)."""
-    _check_common(pp, vp, microbatches)
-    g = pp if group_size is None else group_size
-    check_interleaved(pp, vp, microbatches, g)
+def interleaved_1f1b(pp: int, vp: int, microbatches: int, group_size: int, forward_only: bool) -> Schedule:
+    """Depth-first: Megatron-Core's interleaved 1F1B order, with its micro-batch group size."""
+    g = group_size
+    _check_interleaved(pp, microbatches, g)
     table = megatron_schedule_table(microbatches, vp, g)
     total = len(table)
 
@@ -120,12 +114,7 @@ def interleaved_1f1b(
     return Schedule("interleaved-1f1b", pp, vp, microbatches, g, ranks, forward_only=forward_only)
 
 
-def check_breadth_first(pp: int, vp: int, microbatches: int, group_size: int) -> None:
-    if vp < 2:
-        raise ScheduleError(
-            "--schedule (--pipeline-schedule) breadth-first needs virtual stages: set --vp (or "
-            "--num-layers-per-virtual-pipeline-stage) so that V >= 2, or use gpipe for V = 1"
-        )
+def _check_breadth_first(pp: int, microbatches: int, group_size: int) -> None:
     if not 1 <= group_size <= microbatches:
         raise ScheduleError(
             f"--group-size (--microbatch-group-size-per-virtual-pipeline-stage) must lie in [1, M={microbatches}] "
@@ -133,14 +122,11 @@ def check_breadth_first(pp: int, vp: int, microbatches: int, group_size: int) ->
         )
 
 
-def breadth_first(
-    pp: int, vp: int, microbatches: int, group_size: int | None = None, forward_only: bool = False
-) -> Schedule:
+def breadth_first(pp: int, vp: int, microbatches: int, group_size: int, forward_only: bool) -> Schedule:
     """Breadth-first: per group of G consecutive micro-batches, every micro-batch through each local stage in
     increasing stage order, then all backwards in decreasing stage order; groups run one after the other."""
-    _check_common(pp, vp, microbatches)
-    g = microbatches if group_size is None else group_size
-    check_breadth_first(pp, vp, microbatches, g)
+    g = group_size
+    _check_breadth_first(pp, microbatches, g)
     groups = [range(s, min(s + g, microbatches)) for s in range(0, microbatches, g)]
     ranks = []
     for r in range(pp):
@@ -155,7 +141,8 @@ def breadth_first(
     return Schedule("breadth-first", pp, vp, microbatches, g, ranks, forward_only=forward_only)
 
 
-def zero_bubble(pp: int, vp: int, microbatches: int, forward_only: bool = False, name: str = "interleaved-zb") -> Schedule:
+def zero_bubble(pp: int, vp: int, microbatches: int, group_size: int | None, forward_only: bool, *,
+                name: str) -> Schedule:
     """Interleaved zero bubble (Qi et al.'s ZB1P): the order of PyTorch's `ScheduleInterleavedZeroBubble`.
 
     Micro-batches go in rounds of M / max(1, M // P); rank r runs (V - 1) * round + P - 1 - r warm-up
@@ -163,7 +150,6 @@ def zero_bubble(pp: int, vp: int, microbatches: int, forward_only: bool = False,
     remaining I's, each followed by a W once r of them are pending, then the remaining W's. With V = 1 it is
     ZB-H1 (`zb-h1`).
     """
-    _check_common(pp, vp, microbatches)
     rounds = max(1, microbatches // pp)
     if microbatches % rounds:
         raise ScheduleError(
@@ -205,8 +191,7 @@ def zero_bubble(pp: int, vp: int, microbatches: int, forward_only: bool = False,
     return Schedule(name, pp, vp, microbatches, None, ranks, forward_only=forward_only)
 
 
-def breadth_first_zero_bubble(pp: int, vp: int, microbatches: int, group_size: int | None = None,
-                              forward_only: bool = False) -> Schedule:
+def breadth_first_zero_bubble(pp: int, vp: int, microbatches: int, group_size: int, forward_only: bool) -> Schedule:
     """Breadth-first with W deferral: the breadth-first order with each backward split into I and W; the W's
     wait in a per-rank queue and run, oldest first, in the slots where the rank would otherwise idle, or as
     soon as G of them (the group size, default M) are pending, and all before the step ends.
@@ -217,7 +202,7 @@ def breadth_first_zero_bubble(pp: int, vp: int, microbatches: int, group_size: i
     base = breadth_first(pp, vp, microbatches, group_size, forward_only)
     if forward_only:
         return dataclasses.replace(base, name="breadth-first-zb")
-    lag = base.group_size or microbatches
+    lag = group_size
     last = pp * vp - 1
     queues = [[Action(Op.I, a.stage, a.microbatch) if a.op == Op.B else a for a in acts] for acts in base.ranks]
     done: dict[tuple[Op, int, int], int] = {}  # (op, stage, microbatch) -> tick it ran in
@@ -252,40 +237,3 @@ def breadth_first_zero_bubble(pp: int, vp: int, microbatches: int, group_size: i
         tick += 1
     return dataclasses.replace(base, name="breadth-first-zb", ranks=out)
 
-
-def build(
-    name: str,
-    pp: int,
-    vp: int,
-    microbatches: int,
-    group_size: int | None = None,
-    forward_only: bool = False,
-) -> Schedule:
-    """Build the F/B order of schedule `name` for P = pp ranks, V = vp stages per rank, M micro-batches."""
-    if name in ("gpipe", "1f1b"):
-        if vp != 1:
-            raise ScheduleError(
-                f"--schedule (--pipeline-schedule) {name} runs one stage per rank (V = 1, got V = {vp}): use "
-                "interleaved-1f1b or breadth-first for virtual stages"
-            )
-        if group_size is not None:
-            raise ScheduleError(f"--group-size does not apply to --schedule (--pipeline-schedule) {name}: drop it")
-        return (gpipe if name == "gpipe" else one_f_one_b)(pp, microbatches, forward_only)
-    if name == "interleaved-1f1b":
-        return interleaved_1f1b(pp, vp, microbatches, group_size, forward_only)
-    if name == "breadth-first":
-        return breadth_first(pp, vp, microbatches, group_size, forward_only)
-    if name == "breadth-first-zb":
-        return breadth_first_zero_bubble(pp, vp, microbatches, group_size, forward_only)
-    if name in ("interleaved-zb", "zb-h1"):
-        if group_size is not None:
-            raise ScheduleError(f"--group-size does not apply to --pipeline-schedule {name} (its rounds follow "
-                                "from M and P): drop it")
-        if name == "zb-h1" and vp != 1:
-            raise ScheduleError(f"--pipeline-schedule zb-h1 runs one stage per rank (V = 1, got V = {vp}): use "
-                                "interleaved-zb for virtual stages")
-        if name == "interleaved-zb" and vp < 2:
-            raise ScheduleError("--pipeline-schedule interleaved-zb needs virtual stages (V >= 2): use zb-h1 for "
-                                "V = 1")
-        return zero_bubble(pp, vp, microbatches, forward_only, name)
-    raise ScheduleError(f"unknown --schedule (--pipeline-schedule) {name!r}: choose one of {', '.join(SCHEDULE_NAMES)}")

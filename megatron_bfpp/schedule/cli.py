@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import make_schedule, to_csv, to_json
-from .ir import SCHEDULE_NAMES, ScheduleError
+from .formats import to_csv, to_json
+from .ir import ScheduleError
+from .kinds import SCHEDULE_NAMES
+from .spec import ScheduleSpec
 
 
 def parser() -> argparse.ArgumentParser:
@@ -35,15 +37,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def spec_from_args(args: argparse.Namespace) -> ScheduleSpec:
+    """The schedule the parsed flags name."""
+    return ScheduleSpec(
+        args.schedule, args.pp, args.vp, args.microbatches, args.group_size, zero_stage=args.zero_stage,
+        forward_only=args.forward_only, weight_buffers=args.weight_buffers, grad_buffers=args.grad_buffers,
+        w_needs_weights=args.w_needs_weights == "yes", i_writes_grads=args.i_writes_grads == "yes",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        sched = make_schedule(
-            args.schedule, args.pp, args.vp, args.microbatches, args.group_size,
-            zero_stage=args.zero_stage, lowered=args.lowered or args.zero_stage is not None,
-            forward_only=args.forward_only, weight_buffers=args.weight_buffers, grad_buffers=args.grad_buffers,
-            w_needs_weights=args.w_needs_weights == "yes", i_writes_grads=args.i_writes_grads == "yes",
-        )
+        sched = spec_from_args(args).build(lowered=args.lowered or args.zero_stage is not None)
     except ScheduleError as e:
         print(f"bfpp schedule: error: {e}", file=sys.stderr)
         return 2

@@ -34,11 +34,6 @@ INPUT_GRAD_OPS = frozenset({Op.B, Op.I})  # ops that produce the gradient of the
 P2P_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
 DP_OPS = frozenset({Op.GATHER, Op.RELEASE, Op.REDUCE})
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first", "breadth-first-zb", "interleaved-zb",
-                  "zb-h1")
-SPLIT_BACKWARD_SCHEDULES = ("breadth-first-zb", "interleaved-zb", "zb-h1")
-GROUPED_SCHEDULES = ("interleaved-1f1b", "breadth-first", "breadth-first-zb")  # take a micro-batch group size
-
 
 def weight_ops(w_needs_weights: bool) -> frozenset[Op]:
     """Compute ops that read their stage's weights: all of them, or all but W when a W computes weight

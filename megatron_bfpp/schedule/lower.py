@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from .ir import COMPUTE_OPS, INPUT_GRAD_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError, grad_write_ops, weight_ops
+from .kinds import KINDS
 
 
 # Nominal compute durations used to decide where transfers go (the order, not the timing, is what matters).
@@ -151,8 +152,10 @@ def _batch(timed: list[tuple[Action, tuple[float, int]]]) -> list[Action]:
 
 
 def accumulation_group(schedule: Schedule, microbatch: int) -> int:
-    """Index of the gradient-accumulation group of a micro-batch (breadth-first groups; else one per step)."""
-    if schedule.name in ("breadth-first", "breadth-first-zb") and schedule.group_size:
+    """Index of the gradient-accumulation group of a micro-batch (the groups of kinds whose groups run one after
+    the other, e.g. breadth-first; else one per step)."""
+    kind = KINDS.get(schedule.name)  # None for a schedule loaded from a file under another name
+    if kind is not None and kind.sequential_groups and schedule.group_size:
         return microbatch // schedule.group_size
     return 0
 

@@ -7,6 +7,7 @@ import json
 import sys
 
 from ..schedule import SCHEDULE_NAMES
+from ..schedule.kinds import megatron_kind
 from .costs import Config
 from .hardware import PROFILES, get_hardware
 from .model import MODELS, ModelProfile, StageSplit, get_model
@@ -144,7 +145,7 @@ def config_from_args(args: argparse.Namespace, model: ModelProfile) -> Config:
             raise _Error(f"--num-layers-per-virtual-pipeline-stage {lyr} must divide the {model.num_layers // p} "
                          f"layers per pipeline rank")
         v = model.num_layers // (p * lyr)
-    sched = args.pipeline_schedule or ("1f1b" if v == 1 else "interleaved-1f1b")
+    sched = args.pipeline_schedule or megatron_kind(v)
     return Config(t, p, v, d, b, m, sched, args.zero_stage, args.recompute, args.microbatch_group_size_per_vp_stage,
                   _on_off(args.dp_overlap), _on_off(args.p2p_overlap), args.weight_buffers, args.grad_buffers,
                   w_reruns_input_grad=args.split_backward_w == "rerun-dgrad",

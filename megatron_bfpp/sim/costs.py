@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..schedule import COMPUTE_OPS, Op, Schedule
-from ..schedule.ir import INPUT_GRAD_OPS, SPLIT_BACKWARD_SCHEDULES
+from ..schedule.ir import INPUT_GRAD_OPS
+from ..schedule.kinds import SPLIT_BACKWARD_SCHEDULES
 from .hardware import Hardware
 from .model import EVEN_STAGES, ModelProfile, Partition, StageSplit
 

@@ -14,10 +14,11 @@ import functools
 from dataclasses import dataclass, field
 
 from ..schedule import SCHEDULE_NAMES, ScheduleError
+from ..schedule.kinds import KINDS
 from .costs import ADAM_BYTES_PER_PARAM, Config, head_times, layer_times, memory_breakdown, split_backward_times
 from .hardware import GIB, Hardware
 from .model import EVEN_STAGES, ModelProfile, Partition, StageSplit, stage_layer_counts
-from .predict import BREADTH_FIRST, Prediction, check_config, config_dict, memory, predict
+from .predict import Prediction, check_config, config_dict, memory, predict
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -88,27 +89,22 @@ def _divisors(n: int) -> list[int]:
 
 
 def _group_sizes(schedule: str, pp: int, m: int, search: bool) -> list[int | None]:
-    if schedule == "interleaved-1f1b":
-        if m < pp:
-            return []
-        if not search:
-            return [pp]
-        out, g = [], pp
-        while g < m:
-            if m % g == 0 or m % g >= pp:
-                out.append(g)
-            g *= 2
-        return out + [m]
-    if schedule in BREADTH_FIRST:  # breadth-first-zb: the group size also bounds the W lag
-        if not search:
-            return [m]
-        out, g = [], pp
-        while g < m:
-            if m % g == 0:
-                out.append(g)
-            g *= 2
-        return out + [m]
-    return [None]
+    """The group sizes to try: the kind's default alone without `search`; else P, 2P, 4P, ... below M, and M."""
+    kind = KINDS[schedule]
+    if not kind.takes_group_size:
+        return [None]
+    # Groups run one after the other are tried at equal sizes (breadth-first-zb: the size also bounds the W lag);
+    # Megatron's interleaved groups hold at least P micro-batches and leave a last group of none or at least P.
+    if not kind.sequential_groups and m < pp:
+        return []
+    if not search:
+        return [kind.group_size_for(pp, m, None)]
+    out, g = [], pp
+    while g < m:
+        if m % g == 0 or (not kind.sequential_groups and m % g >= pp):
+            out.append(g)
+        g *= 2
+    return out + [m]
 
 
 class _Bounds:
@@ -186,7 +182,7 @@ def enumerate_configs(model: ModelProfile, hw: Hardware, gpus: int, global_batch
                 for sched in space.schedules:
                     if pp == 1 and sched != "1f1b":
                         continue  # without a pipeline every schedule is 1F1B
-                    if sched in ("gpipe", "1f1b", "zb-h1"):
+                    if not KINDS[sched].virtual_stages:
                         vps = [1] if 1 in splits else []
                     else:
                         vps = [v for v in splits if v >= 2 and (space.vp_sizes is None or v in space.vp_sizes)]
@@ -207,7 +203,7 @@ def enumerate_configs(model: ModelProfile, hw: Hardware, gpus: int, global_batch
                                     continue
                                 for gs in groups:
                                     out.append(Config(tp, pp, vp, dp, b, m, sched, zero, rc,
-                                                      None if gs == _default(sched, pp, m) else gs,
+                                                      None if gs == KINDS[sched].group_size_for(pp, m, None) else gs,
                                                       space.dp_overlap, space.p2p_overlap,
                                                       w_reruns_input_grad=space.w_reruns_input_grad,
                                                       w_at_input_grad=space.w_at_input_grad, split=space.split))
@@ -224,10 +220,6 @@ def _vp_sizes(model: ModelProfile, pp: int, split: StageSplit) -> list[int]:
             continue
         out.append(v)
     return out
-
-
-def _default(sched: str, pp: int, m: int) -> int | None:
-    return pp if sched == "interleaved-1f1b" else m if sched in BREADTH_FIRST else None
 
 
 def plan(model: ModelProfile, hw: Hardware, gpus: int, global_batch: int, space: SearchSpace = SearchSpace(),

@@ -6,28 +6,15 @@ import functools
 import sys
 from dataclasses import asdict, dataclass, field
 
-from ..schedule import Op, Schedule, ScheduleError, build, lower, validate
+from ..schedule import Op, Schedule, ScheduleError, ScheduleSpec, validate
 from ..schedule.ir import INPUT_GRAD_OPS
+from ..schedule.kinds import KINDS, megatron_kind, schedule_kind
 from ..schedule.validate import peak_pending_weight_grads
-from ..schedule.builders import check_breadth_first, check_interleaved
 from ..schedule.events import TimelineEvent
 from .costs import Config, Placement, analytic_costs, memory_breakdown, peak_activation_bytes
 from .engine import EngineResult, simulate_schedule
 from .hardware import GIB, Hardware
 from .model import ModelProfile, StageSplit
-
-SINGLE_STAGE = ("gpipe", "1f1b", "zb-h1")
-BREADTH_FIRST = ("breadth-first", "breadth-first-zb")  # group size = micro-batches per breadth-first group
-
-
-def default_group_size(schedule: str, pp: int, microbatches: int) -> int | None:
-    """Megatron's default for interleaved (P), one breadth-first group of all M micro-batches."""
-    if schedule == "interleaved-1f1b":
-        return pp
-    if schedule in BREADTH_FIRST:
-        return microbatches
-    return None
-
 
 def check_config(model: ModelProfile, hw: Hardware, cfg: Config) -> None:
     """Raise ValueError (one line, naming the flag) for a configuration that cannot run."""
@@ -35,53 +22,56 @@ def check_config(model: ModelProfile, hw: Hardware, cfg: Config) -> None:
     cfg.partition(model)
     if cfg.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"--zero-stage must be 0, 1, 2 or 3 (got {cfg.zero_stage})")
-    if cfg.schedule in SINGLE_STAGE and cfg.vp != 1:
+    try:
+        kind = schedule_kind(cfg.schedule)
+    except ScheduleError as e:
+        raise ValueError(str(e)) from None
+    if not kind.fits_stages(cfg.vp):
+        if kind.virtual_stages:
+            raise ValueError(
+                f"--pipeline-schedule {cfg.schedule} needs at least 2 virtual stages per rank: set "
+                "--num-layers-per-virtual-pipeline-stage to at most half of layers / P"
+            )
+        looped = ", ".join(name for name, k in KINDS.items() if k.virtual_stages)
         raise ValueError(
             f"--pipeline-schedule {cfg.schedule} runs one stage per rank: drop "
-            "--num-layers-per-virtual-pipeline-stage or use a looped schedule (interleaved-1f1b, breadth-first, "
-            "interleaved-zb, breadth-first-zb)"
+            f"--num-layers-per-virtual-pipeline-stage or use a looped schedule ({looped})"
         )
-    if cfg.schedule not in SINGLE_STAGE and cfg.vp < 2:
-        raise ValueError(
-            f"--pipeline-schedule {cfg.schedule} needs at least 2 virtual stages per rank: set "
-            "--num-layers-per-virtual-pipeline-stage to at most half of layers / P"
-        )
-    g = cfg.group_size or default_group_size(cfg.schedule, cfg.pp, cfg.microbatches)
+    if cfg.group_size is not None and not kind.takes_group_size:
+        raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage does not apply to {cfg.schedule}: drop it")
     try:
-        if cfg.schedule == "interleaved-1f1b":
-            check_interleaved(cfg.pp, cfg.vp, cfg.microbatches, g)  # type: ignore[arg-type]
-        elif cfg.schedule in BREADTH_FIRST:
-            check_breadth_first(cfg.pp, cfg.vp, cfg.microbatches, g)  # type: ignore[arg-type]
-        elif cfg.group_size is not None:
-            raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage does not apply to {cfg.schedule}: drop it")
-        elif cfg.schedule in ("interleaved-zb", "zb-h1"):
-            built_schedule(cfg.schedule, cfg.pp, cfg.vp, cfg.microbatches, None)  # its rounds must divide M
+        built_schedule(schedule_spec(cfg).order_spec())  # the kind's own rules on M and the group size
     except ScheduleError as e:
         raise ValueError(str(e)) from None
 
 
+def schedule_spec(cfg: Config) -> ScheduleSpec:
+    """The schedule `cfg` runs, lowered as the runtime lowers it, with the kind's default group size written in."""
+    return ScheduleSpec(
+        cfg.schedule, cfg.pp, cfg.vp, cfg.microbatches, cfg.group_size,
+        zero_stage=max(cfg.zero_stage, 1),  # ZeRO-0 reduces (all-reduces) where ZeRO-1 reduce-scatters
+        weight_buffers=cfg.weight_buffers, grad_buffers=cfg.grad_buffers,
+        # A W of weight-gradient GEMMs alone reads kept activations, not weights (as the runtime's deferred W).
+        w_needs_weights=not cfg.split_backward or cfg.w_reruns_input_grad,
+        # Layers that cannot defer run their backward whole at I, with GPU's default gradient-accumulation
+        # fusion into main_grad: ZeRO-2/3 then hold a stage's gradient buffer from its first I, as the runtime
+        # does.
+        i_writes_grads=cfg.split_backward and cfg.w_at_input_grad,
+    ).resolved()
+
+
 @functools.lru_cache(maxsize=512)
-def cached_schedule(name: str, pp: int, vp: int, microbatches: int, group_size: int | None,
-                    lowering_zero: int | None, weight_buffers: int = 2, grad_buffers: int = 2,
-                    check: bool = False, w_needs_weights: bool = True, i_writes_grads: bool = False) -> Schedule:
-    """The lowered schedule (shared by every configuration with the same pipeline shape)."""
-    sched = lower(built_schedule(name, pp, vp, microbatches, group_size), lowering_zero, weight_buffers, grad_buffers,
-                  w_needs_weights, i_writes_grads)
+def cached_schedule(spec: ScheduleSpec, check: bool = False) -> Schedule:
+    """The lowered schedule of `spec` (shared by every configuration with the same pipeline shape); `check`
+    also validates it."""
+    sched = spec.lower(built_schedule(spec.order_spec()))
     if check:
         validate(sched)
     return sched
 
 
 def schedule_for(cfg: Config, check: bool = False) -> Schedule:
-    g = cfg.group_size or default_group_size(cfg.schedule, cfg.pp, cfg.microbatches)
-    lowering_zero = max(cfg.zero_stage, 1)  # ZeRO-0 reduces (all-reduces) where ZeRO-1 reduce-scatters
-    # A W of weight-gradient GEMMs alone reads kept activations, not weights (as the runtime's deferred W).
-    w_needs_weights = not cfg.split_backward or cfg.w_reruns_input_grad
-    # Layers that cannot defer run their backward whole at I, with GPU's default gradient-accumulation fusion
-    # into main_grad: ZeRO-2/3 then hold a stage's gradient buffer from its first I, as the runtime does.
-    i_writes_grads = cfg.split_backward and cfg.w_at_input_grad
-    return cached_schedule(cfg.schedule, cfg.pp, cfg.vp, cfg.microbatches, g, lowering_zero,
-                           cfg.weight_buffers, cfg.grad_buffers, check, w_needs_weights, i_writes_grads)
+    return cached_schedule(schedule_spec(cfg), check)
 
 
 @dataclass
@@ -126,8 +116,8 @@ def config_dict(cfg: Config) -> dict:
         "zero_stage": cfg.zero_stage,
         "recompute": cfg.recompute,
         "num_micro_batches": cfg.microbatches,
-        "microbatch_group_size_per_vp_stage": cfg.group_size or default_group_size(
-            cfg.schedule, cfg.pp, cfg.microbatches),
+        "microbatch_group_size_per_vp_stage": schedule_kind(cfg.schedule).group_size_for(
+            cfg.pp, cfg.microbatches, cfg.group_size),
         "dp_overlap": cfg.dp_overlap,
         "p2p_overlap": cfg.p2p_overlap,
         "w_reruns_input_grad": cfg.w_reruns_input_grad,
@@ -140,14 +130,14 @@ def config_dict(cfg: Config) -> dict:
 
 
 @functools.lru_cache(maxsize=2048)
-def built_schedule(name: str, pp: int, vp: int, microbatches: int, group_size: int | None) -> Schedule:
-    """The F/B order alone (enough for activation memory; cheaper than lowering)."""
-    return build(name, pp, vp, microbatches, group_size)
+def built_schedule(order: ScheduleSpec) -> Schedule:
+    """The F/B order of `order`, a spec without lowering settings (`ScheduleSpec.order_spec()`, so that every
+    lowering of it shares the entry): enough for activation memory, cheaper than lowering."""
+    return order.order()
 
 
 @functools.lru_cache(maxsize=2048)
-def activation_frontier(name: str, pp: int, vp: int, microbatches: int,
-                        group_size: int | None) -> tuple[tuple[tuple[int, int, int, int], ...], ...]:
+def activation_frontier(order: ScheduleSpec) -> tuple[tuple[tuple[int, int, int, int], ...], ...]:
     """Per rank, the Pareto-maximal counts (full activations of other stages, of the last stage, pending W's
     of other stages, of the last stage) kept at once over its order: an F adds a full activation, a B frees
     it, an I turns it into a pending W (which keeps only the weight-GEMM operands) and the W frees that.
@@ -155,8 +145,8 @@ def activation_frontier(name: str, pp: int, vp: int, microbatches: int,
     Every stage but the last keeps the same bytes per micro-batch, so the peak bytes of a rank is the
     largest dot product of these points with the four per-item sizes: exact, and independent of b, T and
     recompute."""
-    sched = built_schedule(name, pp, vp, microbatches, group_size)
-    last = pp * vp - 1
+    sched = built_schedule(order)
+    last = order.pp * order.vp - 1
     out = []
     for acts in sched.ranks:
         c = [0, 0, 0, 0]
@@ -181,15 +171,15 @@ def memory(model: ModelProfile, cfg: Config) -> list[dict[str, float]]:
     """Per pipeline rank, bytes by category (see `costs.memory_breakdown`), activations from the schedule's order."""
     part = cfg.partition(model)
     b = cfg.micro_batch_size
-    g = cfg.group_size or default_group_size(cfg.schedule, cfg.pp, cfg.microbatches)
+    order = schedule_spec(cfg).order_spec()
     n_st = part.num_stages
     if len(set(part.layer_counts[:-1])) > 1:  # uneven stages: walk the order with each stage's own bytes
-        sched = built_schedule(cfg.schedule, cfg.pp, cfg.vp, cfg.microbatches, g)
+        sched = built_schedule(order)
         pending = None if cfg.w_at_input_grad else (lambda s: part.pending_weight_grad_bytes(s, b))
         return [memory_breakdown(part, cfg, r, peak_activation_bytes(
                     sched, r, lambda s: part.activation_bytes(s, b, cfg.recompute), pending))
                 for r in range(cfg.pp)]
-    frontier = activation_frontier(cfg.schedule, cfg.pp, cfg.vp, cfg.microbatches, g)
+    frontier = activation_frontier(order)
     sizes = (part.activation_bytes(0, b, cfg.recompute) if n_st > 1 else 0.0,
              part.activation_bytes(n_st - 1, b, cfg.recompute),
              part.pending_weight_grad_bytes(0, b) if n_st > 1 and not cfg.w_at_input_grad else 0.0,
@@ -275,7 +265,7 @@ def trainer_config(args) -> tuple[ModelProfile, Config]:
     m = args.global_batch_size // (args.micro_batch_size * dp)
     sched = getattr(args, "pipeline_schedule", "default") or "default"
     if sched == "default":
-        sched = "1f1b" if vp == 1 else "interleaved-1f1b"
+        sched = megatron_kind(vp)
     zero = getattr(args, "zero_stage", None)
     if zero is None:
         zero = 1 if getattr(args, "use_distributed_optimizer", False) else 0

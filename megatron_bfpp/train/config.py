@@ -13,9 +13,10 @@ import os
 import sys
 
 from ..errors import TrainerConfigError
+from ..megatron.flags import DEFAULT_BUFFERS
 from ..megatron.validation import megatron_flag_text
-from ..schedule import ScheduleError, build
-from ..schedule.ir import GROUPED_SCHEDULES, SCHEDULE_NAMES
+from ..schedule import SCHEDULE_NAMES, ScheduleError, ScheduleSpec
+from ..schedule.kinds import schedule_kind
 
 SUPPORTED_MEGATRON_CORE = ((0, 19),)
 DEFAULT_MOCK_VOCAB = 1024
@@ -91,7 +92,8 @@ def _stage_shape(a: argparse.Namespace, pp: int) -> int:
 
 
 def check_trainer_args(a: argparse.Namespace, world_size: int) -> None:
-    """All checks that need no process group. Sets a.virtual_pipeline_model_parallel_size on success."""
+    """All checks that need no process group. Sets a.virtual_pipeline_model_parallel_size and a.schedule_spec
+    (the schedule the flags name, which the trainer runs) on success."""
     check_version()
     pp, tp = a.pipeline_model_parallel_size, a.tensor_model_parallel_size
     if pp < 1 or tp < 1:
@@ -140,8 +142,12 @@ def check_trainer_args(a: argparse.Namespace, world_size: int) -> None:
         a.schedule_note = ("--pipeline-schedule breadth-first with one stage per rank (V = 1, no "
                            "--num-layers-per-virtual-pipeline-stage) is GPipe: running gpipe")
     try:
-        build(a.pipeline_schedule, pp, vp, m, a.microbatch_group_size_per_vp_stage
-              if a.pipeline_schedule in GROUPED_SCHEDULES else None)
+        takes_group = schedule_kind(a.pipeline_schedule).takes_group_size
+        a.schedule_spec = ScheduleSpec(
+            a.pipeline_schedule, pp, vp, m, a.microbatch_group_size_per_vp_stage if takes_group else None,
+            zero_stage=a.zero_stage, weight_buffers=a.bfpp_weight_buffers or DEFAULT_BUFFERS,
+            grad_buffers=a.bfpp_grad_buffers or DEFAULT_BUFFERS)
+        a.schedule_spec.order()
     except ScheduleError as e:
         raise TrainerConfigError(f"{megatron_flag_text(str(e))} (M = {m} micro-batches per step = "
                                  f"--global-batch-size / (--micro-batch-size x data-parallel size))") from None

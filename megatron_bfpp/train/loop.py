@@ -57,10 +57,7 @@ class Trainer:
         # Resume (--load) before the data iterators exist: they start at the checkpoint's data position.
         self.iteration, self.consumed_samples = self._load_checkpoint()
         self.data_iterators = self._build_data()
-        self.forward_backward = get_forward_backward_func(
-            args.pipeline_schedule, args.microbatch_group_size_per_vp_stage,
-            weight_buffers=args.bfpp_weight_buffers or 2, grad_buffers=args.bfpp_grad_buffers or 2,
-        )
+        self.forward_backward = get_forward_backward_func(args.schedule_spec)
         self.losses: list[float] = []
         self.skipped_iterations: list[int] = []
         self.loss_scales: list[float] = []

@@ -228,10 +228,9 @@ class FakeFactory:
     def __init__(self) -> None:
         self.calls: list[dict] = []
 
-    def __call__(self, pipeline_schedule: str, microbatch_group_size: int | None = None, weight_buffers: int = 2,
-                 grad_buffers: int = 2):
-        self.calls.append(dict(pipeline_schedule=pipeline_schedule, microbatch_group_size=microbatch_group_size,
-                               weight_buffers=weight_buffers, grad_buffers=grad_buffers))
+    def __call__(self, schedule):
+        self.calls.append(dict(pipeline_schedule=schedule.kind, microbatch_group_size=schedule.group_size,
+                               weight_buffers=schedule.weight_buffers, grad_buffers=schedule.grad_buffers))
         return lambda **kw: ("ran", kw)
 
 

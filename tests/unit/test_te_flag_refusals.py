@@ -23,7 +23,7 @@ import megatron_bfpp.megatron as bm
 from megatron_bfpp.megatron import check
 from megatron_bfpp.megatron.check import parse_megatron_args
 from megatron_bfpp.megatron.validation import ConfigError
-from megatron_bfpp.schedule.ir import SPLIT_BACKWARD_SCHEDULES
+from megatron_bfpp.schedule.kinds import SPLIT_BACKWARD_SCHEDULES
 
 install = importlib.import_module("megatron_bfpp.megatron.install")
 
