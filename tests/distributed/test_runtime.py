@@ -298,7 +298,7 @@ def _handshake_worker(rank: int, world: int) -> int:
     import torch.distributed as dist
 
     from megatron_bfpp.runtime import forward_backward as fbm
-    from megatron_bfpp.schedule import make_schedule
+    from megatron_bfpp.schedule import ScheduleSpec
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = dist.new_group([0, 1])
@@ -311,7 +311,7 @@ def _handshake_worker(rank: int, world: int) -> int:
 
     dist.all_gather_into_tensor = counting
     try:
-        a, b = make_schedule("breadth-first", 2, 2, 4), make_schedule("breadth-first", 2, 2, 2)
+        a, b = ScheduleSpec("breadth-first", 2, 2, 4), ScheduleSpec("breadth-first", 2, 2, 2)
         for s in (a, a, a, b, b, a):
             fbm._handshake(s, {"pipeline": group}, torch.device("cpu"))
     finally:
