@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ...schedule.kinds import megatron_kind
 from ..iterations import ELAPSED_RE, ITERATION_RE, LOSS_RE, losses_agree, relative_differences
 from ..plan import ALL_ITERATIONS_RTOL, FIRST_ITERATION_RTOL
 from ..workers import predicted_per_rank
@@ -59,7 +60,7 @@ def predicted_peak_bytes(cfg: dict[str, Any]) -> float:
     reserve. Megatron's default schedule is 1F1B, interleaved with virtual stages."""
     schedule = cfg["schedule"]
     if schedule == "default":
-        schedule = "1f1b" if cfg["vp"] == 1 else "interleaved-1f1b"
+        schedule = megatron_kind(cfg["vp"])
     m = cfg["global_batch_size"] // (cfg["micro_batch_size"] * cfg["dp"])  # per data-parallel rank
     return max(predicted_per_rank({**cfg, "microbatches": m, "pipeline_schedule": schedule}))
 
