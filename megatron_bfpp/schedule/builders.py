@@ -236,4 +236,3 @@ def breadth_first_zero_bubble(pp: int, vp: int, microbatches: int, group_size: i
             done[(a.op, a.stage, a.microbatch)] = tick  # type: ignore[index]
         tick += 1
     return dataclasses.replace(base, name="breadth-first-zb", ranks=out)
-
