@@ -11,7 +11,8 @@ from ..schedule.kinds import megatron_kind
 from .costs import Config
 from .hardware import PROFILES, get_hardware
 from .model import MODELS, ModelProfile, StageSplit, get_model
-from .planner import ZERO_STAGES, SearchSpace, plan
+from .planner import (STOCK_FALLBACK_RULE, STOCK_SCHEDULES, STOCK_ZERO_STAGE, ZERO_STAGES, SearchSpace, plan,
+                      stock_schedule, stock_space)
 from .predict import predict
 
 
@@ -71,6 +72,9 @@ def simulate_parser() -> argparse.ArgumentParser:
                    help="0 = DDP all-reduce, 1 = distributed optimizer, 2, 3 = sharded gradients / weights "
                         "(default 1)")
     p.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    p.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
+                   help="Megatron's flag (interleaved-1f1b, --zero-stage 1): the first chunk's parameter all-gather "
+                        "runs during the other chunks' optimizer steps")
     p.add_argument("--weight-buffers", type=int, default=2, help="ZeRO-3 gathered stages kept at once")
     p.add_argument("--grad-buffers", type=int, default=2, help="ZeRO-2/3 full-size gradient buffers")
     p.add_argument("--trace", default=None, help="write the simulated timeline as a Chrome trace JSON file")
@@ -97,6 +101,11 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="search micro-batch group sizes (off: P for interleaved, M for breadth-first)")
     p.add_argument("--max-microbatches", type=int, default=256, help="largest M simulated (default 256)")
     p.add_argument("--top", type=int, default=5, help="candidates to return (default 5)")
+    p.add_argument("--stock", action="store_true",
+                   help="search only what stock Megatron-Core runs, at its best: 1f1b (V = 1) and interleaved-1f1b "
+                        "(V >= 2, group size in [P, M], so 1f1b at M < P), the distributed optimizer (ZeRO-1) with "
+                        "overlapped gradient reduce and parameter gather, --overlap-param-gather-with-optimizer-step "
+                        "tried when interleaved; the denominator of the benchmarks' \"vs Megatron\" ratios")
     return p
 
 
@@ -149,7 +158,8 @@ def config_from_args(args: argparse.Namespace, model: ModelProfile) -> Config:
     return Config(t, p, v, d, b, m, sched, args.zero_stage, args.recompute, args.microbatch_group_size_per_vp_stage,
                   _on_off(args.dp_overlap), _on_off(args.p2p_overlap), args.weight_buffers, args.grad_buffers,
                   w_reruns_input_grad=args.split_backward_w == "rerun-dgrad",
-                  w_at_input_grad=args.split_backward_w == "at-i", split=split)
+                  w_at_input_grad=args.split_backward_w == "at-i", split=split,
+                  param_gather_with_optimizer=args.overlap_param_gather_with_optimizer_step)
 
 
 def _split(args: argparse.Namespace) -> StageSplit:
@@ -227,20 +237,25 @@ def _plan(argv: list[str] | None) -> int:
         w_at_input_grad=args.split_backward_w == "at-i",
         split=_split(args),
     )
+    if args.stock:
+        space = _stock(args, space)
     res = plan(model, hw, args.gpus, args.global_batch_size, space, args.top)
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
         return 0 if res.candidates else 1
-    print(f"{model.name} on {args.gpus} x {hw.name}, global batch {args.global_batch_size}: "
+    what = ("stock Megatron-Core at its best (distributed optimizer, every overlap; 'ag@opt': "
+            "--overlap-param-gather-with-optimizer-step), " if res.stock else "")
+    print(f"{model.name} on {args.gpus} x {hw.name}, global batch {args.global_batch_size}: {what}"
           f"{res.searched} configurations, {res.simulated} simulated")
     if res.candidates:
-        print(f"  {'#':>2} {'TFLOP/s':>8} {'step s':>8} {'GiB':>6}  T  P   V    D  b    M  schedule          G  Z  rc")
+        print(f"  {'#':>2} {'TFLOP/s':>8} {'step s':>8} {'GiB':>6}  T  P   V    D  b    M  schedule          G  Z  rc  "
+              + ("ag@opt" if res.stock else "stock at this layout"))
     for i, p in enumerate(res.candidates):
-        c = p.config
-        g = p.to_dict()["config"]["microbatch_group_size_per_vp_stage"]
+        c, g = p.config, p.to_dict()["config"]["microbatch_group_size_per_vp_stage"]
         print(f"  {i + 1:>2} {p.tflops_per_gpu:>8.1f} {p.step_time_s:>8.3f} {p.peak_memory_gib:>6.1f} {c.tp:>2} {c.pp:>2} "
               f"{c.vp:>3} {c.dp:>4} {c.micro_batch_size:>2} {c.microbatches:>4}  {c.schedule:<16} {g if g else '-':>2} "
-              f"{c.zero_stage:>2}  {'y' if c.recompute else 'n'}")
+              f"{c.zero_stage:>2}  {'y' if c.recompute else 'n'}  "
+              + (("y" if c.param_gather_with_optimizer else "n") if res.stock else _stock_here(c)))
     if res.rejected:
         print("  most promising rejected:")
         for r in res.rejected:
@@ -249,7 +264,33 @@ def _plan(argv: list[str] | None) -> int:
                   f"{' rc' if c.recompute else ''} (<= {r.tflops_upper_bound:.0f} TFLOP/s): {r.reason}")
     for n in res.notes:
         print(f"  note: {n}")
+    if res.stock_fallback:
+        shown = ", ".join("/".join(map(str, lay)) for lay in res.stock_fallback[:6])
+        more = f" and {len(res.stock_fallback) - 6} more" if len(res.stock_fallback) > 6 else ""
+        print(f"  stock falls back at M < P: {STOCK_FALLBACK_RULE}; {len(res.stock_fallback)} of the layouts searched "
+              f"(T/P/D/b/M = {shown}{more})")
     return 0 if res.candidates else 1
+
+
+def _stock_here(cfg: Config) -> str:
+    """What stock runs at a candidate's layout, for the table."""
+    kind, vp = stock_schedule(cfg.pp, cfg.vp, cfg.microbatches)
+    return f"{kind} V={vp}" + (" (falls back: M < P)" if vp != cfg.vp else "")
+
+
+def _stock(args: argparse.Namespace, space: SearchSpace) -> SearchSpace:
+    """`--stock`: the search narrowed to stock Megatron; a flag asking for something stock does not run is refused."""
+    others = [s for s in args.pipeline_schedule or () if s not in STOCK_SCHEDULES]
+    if others:
+        raise _Error(f"--stock searches stock Megatron's schedules ({', '.join(STOCK_SCHEDULES)}): drop "
+                     f"--pipeline-schedule {' '.join(others)}")
+    if args.zero_stage is not None and set(args.zero_stage) != {STOCK_ZERO_STAGE}:
+        raise _Error(f"--stock is Megatron's distributed optimizer (ZeRO-{STOCK_ZERO_STAGE}): drop --zero-stage")
+    if args.dp_overlap == "off" or args.p2p_overlap == "off":
+        raise _Error("--stock is Megatron at its best, every overlap on: drop --dp-overlap / --p2p-overlap off")
+    if args.split_backward_w != "wgrad-only":
+        raise _Error("--stock runs no split backward: drop --split-backward-w")
+    return stock_space(space)
 
 
 if __name__ == "__main__":

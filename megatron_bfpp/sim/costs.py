@@ -205,6 +205,9 @@ class Costs:
     optimizer: list[float]  # per pipeline rank
     reduce_buckets: list[int] = field(default_factory=list)  # >1: reduce overlaps the stage's last backward
     param_sync_buckets: list[int] = field(default_factory=list)  # >1: first forward starts after one bucket
+    # Per rank: how long before the step starts its first stage's post-optimizer all-gather is issued (Megatron's
+    # --overlap-param-gather-with-optimizer-step: during the optimizer steps of the rank's other chunks); 0 otherwise.
+    param_sync_lead: list[float] = field(default_factory=list)
     # Split backward: I (input gradient) takes this share of `backward`, W (weight gradients) the rest.
     input_grad_share: list[float] = field(default_factory=list)
     dp_overlap: bool = True
@@ -218,6 +221,11 @@ class Costs:
             self.param_sync_buckets = [1] * n
         if not self.input_grad_share:
             self.input_grad_share = [0.5] * n
+        if not self.param_sync_lead:
+            self.param_sync_lead = [0.0] * len(self.optimizer)
+        if len(self.param_sync_lead) != len(self.optimizer):
+            raise ValueError(f"Costs.param_sync_lead has {len(self.param_sync_lead)} entries for "
+                             f"{len(self.optimizer)} ranks")
         for name in ("backward", "send_forward", "send_backward", "gather", "reduce", "param_sync",
                      "reduce_buckets", "param_sync_buckets", "input_grad_share"):
             if len(getattr(self, name)) != n:
@@ -293,6 +301,9 @@ class Config:
     # ... or W's work runs at I (layers that cannot defer, e.g. TransformerEngine older than 2.3).
     w_at_input_grad: bool = False
     split: StageSplit = EVEN_STAGES  # how Megatron-LM spreads the layers over the stages
+    # Megatron's --overlap-param-gather-with-optimizer-step (its interleaved schedule with the distributed
+    # optimizer): the first chunk's optimizer steps first and its all-gather runs during the other chunks' steps.
+    param_gather_with_optimizer: bool = False
 
     def partition(self, model: ModelProfile) -> Partition:
         """The model cut into this configuration's stages."""
@@ -348,15 +359,22 @@ def analytic_costs(hw: Hardware, part: Partition, cfg: Config) -> Costs:
         # produces them (about one bucket per layer at these sizes).
         rb.append(st.layers if cfg.zero_stage <= 1 and cfg.vp == 1 and s == 0 else 1)
         # Parameters (ZeRO-0/1, Megatron's overlapped gather): a chunk's first forward waits bucket by bucket;
-        # the sharded runtime (ZeRO-2/3) gathers a stage's flat buffer at once.
-        sbk.append(st.layers if cfg.zero_stage <= 1 else 1)
+        # the sharded runtime (ZeRO-2/3) gathers a stage's flat buffer at once, and so does Megatron with
+        # --overlap-param-gather-with-optimizer-step (which turns its bucketing off, training.py).
+        sbk.append(st.layers if cfg.zero_stage <= 1 and not cfg.param_gather_with_optimizer else 1)
     opt = []
     for r in range(pp):
         phi = part.rank_params(r)
         shard = phi if cfg.zero_stage == 0 else phi / cfg.dp
         opt.append(ADAM_BYTES_PER_PARAM * shard / (hw.hbm_bandwidth * hw.memory_efficiency) + 10 * hw.kernel_overhead_s)
+    lead = [0.0] * pp
+    if cfg.param_gather_with_optimizer:
+        # The first chunk (stage r) steps first, in time proportional to its parameters; its all-gather starts
+        # then, while the other chunks step and the slowest rank finishes: that long before the next step.
+        lead = [max(opt) - opt[r] * part.stage_params(r) / part.rank_params(r) for r in range(pp)]
     return Costs(fwd, bwd, sf, sb, ag, red, sync, opt, reduce_buckets=rb, param_sync_buckets=sbk,
-                 input_grad_share=share, dp_overlap=cfg.dp_overlap, p2p_overlap=cfg.p2p_overlap)
+                 param_sync_lead=lead, input_grad_share=share, dp_overlap=cfg.dp_overlap,
+                 p2p_overlap=cfg.p2p_overlap)
 
 
 # ---------------------------------------------------------------- memory

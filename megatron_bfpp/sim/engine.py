@@ -20,7 +20,8 @@ Each pipeline rank runs its action list in order on three streams:
 End of step: all ranks meet after their compute and outstanding REDUCEs (the optimizer needs every gradient
 and a global gradient norm), run the optimizer (slowest rank), and with ZeRO-1/2 and `dp_overlap` off
 all-gather the updated parameters; with `dp_overlap` on that all-gather overlaps the next step's forward,
-which the simulation models in steady state by issuing it at the start of the step.
+which the simulation models in steady state by issuing it at the start of the step (the first stage's
+`Costs.param_sync_lead` earlier: Megatron's --overlap-param-gather-with-optimizer-step).
 
 Time accounting per rank: every instant of the step is compute, bubble (waiting for another rank's compute),
 exposed p2p (waiting on a transfer or blocked by a send), exposed dp (waiting on a collective or a buffer) or
@@ -137,19 +138,19 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
             st.compute_free = until
 
     # Post-optimizer parameter all-gather (ZeRO-1/2), overlapped with the forward: issued at step start in the
-    # order the rank first uses its stages.
+    # order the rank first uses its stages; the first one `param_sync_lead` earlier (during the optimizer step).
     if dp_on and sched.zero_stage in (1, 2, None):
         for st in ranks:
             order: list[int] = []
             for a in sched.ranks[st.r]:
                 if a.op in COMPUTE_OPS and a.stage not in order:
                     order.append(a.stage)
-            for s in order:
+            for i, s in enumerate(order):
                 d = costs.param_sync[s]
                 if d > 0:
-                    t0 = st.dp_free
+                    t0 = -costs.param_sync_lead[st.r] if i == 0 else st.dp_free
                     st.sync[s] = (t0, t0 + d)
-                    st.dp_free = t0 + d
+                    st.dp_free = max(t0 + d, 0.0)  # the other stages' gathers are issued from the step's start
                     st.counts["param_sync"] += 1
                     if rec:
                         ev(st.r, "dp", f"GATHER{s}", "GATHER", s, None, t0, t0 + d)

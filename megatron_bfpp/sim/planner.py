@@ -6,21 +6,27 @@ The search is exact for the top K and fast: every configuration first gets an up
 after it ends, and the optimizer step; no communication),
 candidates are visited best bound first, and the search stops once the K-th best simulated throughput beats
 the next bound. Schedules are built once per pipeline shape and shared across configurations.
+
+`stock_space()` (`bfpp plan --stock`) is stock Megatron-Core at its best, the denominator of every "vs Megatron"
+ratio the benchmarks report; `stock_schedule` is what stock runs at a given layout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
 from ..schedule import SCHEDULE_NAMES, ScheduleError
-from ..schedule.kinds import KINDS
+from ..schedule.kinds import KINDS, megatron_kind
 from .costs import ADAM_BYTES_PER_PARAM, Config, head_times, layer_times, memory_breakdown, split_backward_times
 from .hardware import GIB, Hardware
 from .model import EVEN_STAGES, ModelProfile, Partition, StageSplit, stage_layer_counts
 from .predict import Prediction, check_config, config_dict, memory, predict
 
 ZERO_STAGES = (0, 1, 2, 3)
+STOCK_SCHEDULES = tuple(n for n, k in KINDS.items() if k.megatron_order)  # 1F1B at V = 1, interleaved at V >= 2
+STOCK_ZERO_STAGE = 1  # Megatron's distributed optimizer
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,40 @@ class SearchSpace:
     w_reruns_input_grad: bool = False  # split-backward cost: see `Config.w_reruns_input_grad`
     w_at_input_grad: bool = False  # and `Config.w_at_input_grad`
     split: StageSplit = EVEN_STAGES  # Megatron-LM's uneven-split flags, for every configuration
+    # Stock Megatron (`stock_space`): its interleaved configurations are also tried with the parameter gather
+    # overlapped with the optimizer step.
+    stock: bool = False
+
+
+def stock_space(space: SearchSpace = SearchSpace()) -> SearchSpace:
+    """`space` narrowed to stock Megatron-Core at its best: its own schedules (1F1B at V = 1, interleaved 1F1B at
+    V >= 2 with a micro-batch group size in [P, M], so at M < P only 1F1B: `stock_schedule`), the distributed
+    optimizer (ZeRO-1) with overlapped gradient reduce-scatter and parameter all-gather, non-blocking p2p, and
+    for the interleaved schedule --overlap-param-gather-with-optimizer-step tried on and off; no ZeRO-2/3, no
+    split backward. ValueError when `space` leaves none of it."""
+    schedules = tuple(s for s in space.schedules if s in STOCK_SCHEDULES)
+    if not schedules:
+        raise ValueError(f"stock Megatron runs {' and '.join(STOCK_SCHEDULES)}, none of the schedules searched "
+                         f"({', '.join(space.schedules)})")
+    if STOCK_ZERO_STAGE not in space.zero_stages:
+        raise ValueError(f"stock Megatron at its best uses its distributed optimizer (ZeRO-{STOCK_ZERO_STAGE}), "
+                         f"not among the ZeRO stages searched ({', '.join(map(str, space.zero_stages))})")
+    return dataclasses.replace(space, schedules=schedules, zero_stages=(STOCK_ZERO_STAGE,), dp_overlap=True,
+                               p2p_overlap=True, w_reruns_input_grad=False, w_at_input_grad=False, stock=True)
+
+
+STOCK = stock_space()
+
+
+def stock_schedule(pp: int, vp: int, microbatches: int) -> tuple[str, int]:
+    """(schedule, V) that stock Megatron-Core runs on P ranks with M micro-batches where a layout has V stages per
+    rank: its own order for V, except that its interleaved schedule refuses a group size outside [P, M]
+    (`forward_backward_pipelining_with_interleaving` in megatron/core/pipeline_parallel/schedules.py raises
+    "should range in [PP=..., M=...]"), so at M < P it falls back to 1F1B with V = 1."""
+    kind = megatron_kind(vp)
+    if _group_sizes(kind, pp, microbatches, True):
+        return kind, vp
+    return megatron_kind(1), 1
 
 
 @dataclass
@@ -59,6 +99,9 @@ class PlanResult:
     searched: int
     simulated: int
     notes: list[str] = field(default_factory=list)
+    stock: bool = False  # the search was `stock_space`'s
+    # (T, P, D, b, M) of the searched layouts where stock cannot interleave (M < P; `stock_schedule`).
+    stock_fallback: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -67,10 +110,24 @@ class PlanResult:
             "searched": self.searched,
             "simulated": self.simulated,
             "notes": self.notes,
+            "stock": self.stock,
+            "stock_fallback": {
+                "rule": STOCK_FALLBACK_RULE,
+                "runs_instead": {"pipeline_schedule": megatron_kind(1), "virtual_pipeline_model_parallel_size": 1},
+                "layouts": [dict(zip(_LAYOUT_KEYS, lay)) for lay in self.stock_fallback],
+            },
         }
 
 
+STOCK_FALLBACK_RULE = ("Megatron-Core's interleaved schedule needs a micro-batch group size in [P, M] "
+                       "(megatron/core/pipeline_parallel/schedules.py), so at M < P stock runs 1F1B with V = 1")
+_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+                "micro_batch_size", "num_micro_batches")
+
+
 def _candidate_dict(p: Prediction) -> dict:
+    c = p.config
+    stock_kind, stock_vp = stock_schedule(c.pp, c.vp, c.microbatches)
     return {
         "config": config_dict(p.config),
         "tflops_per_gpu": p.tflops_per_gpu,
@@ -81,6 +138,9 @@ def _candidate_dict(p: Prediction) -> dict:
         "bubble_fraction": p.bubble_fraction,
         "exposed_dp_s": p.exposed_dp_s,
         "exposed_pp_s": p.exposed_pp_s,
+        # What stock Megatron-Core runs at this candidate's T, P, D, b and M.
+        "stock_at_layout": {"pipeline_schedule": stock_kind, "virtual_pipeline_model_parallel_size": stock_vp,
+                            "falls_back": stock_vp != c.vp},
     }
 
 
@@ -189,6 +249,9 @@ def enumerate_configs(model: ModelProfile, hw: Hardware, gpus: int, global_batch
                     for vp in vps:
                         groups = _group_sizes(sched, pp, m, space.search_group_size)
                         for zero in space.zero_stages:
+                            # Stock tries Megatron's optimizer-step overlap where its check allows it.
+                            gather_options = (False, True) if (space.stock and KINDS[sched].virtual_stages
+                                                               and zero == 1 and space.dp_overlap) else (False,)
                             for rc in space.recompute:
                                 base = Config(tp, pp, vp, dp, b, m, sched, zero, rc, None,
                                               space.dp_overlap, space.p2p_overlap,
@@ -202,12 +265,18 @@ def enumerate_configs(model: ModelProfile, hw: Hardware, gpus: int, global_batch
                                     bad.append((base, f"{sched} needs M >= P micro-batches (M={m}, P={pp})"))
                                     continue
                                 for gs in groups:
-                                    out.append(Config(tp, pp, vp, dp, b, m, sched, zero, rc,
-                                                      None if gs == KINDS[sched].group_size_for(pp, m, None) else gs,
-                                                      space.dp_overlap, space.p2p_overlap,
-                                                      w_reruns_input_grad=space.w_reruns_input_grad,
-                                                      w_at_input_grad=space.w_at_input_grad, split=space.split))
+                                    for with_opt in gather_options:
+                                        out.append(dataclasses.replace(
+                                            base, group_size=None if gs == KINDS[sched].group_size_for(pp, m, None)
+                                            else gs, param_gather_with_optimizer=with_opt))
     return out, bad
+
+
+def stock_fallback_layouts(configs: list[Config]) -> list[tuple[int, int, int, int, int]]:
+    """(T, P, D, b, M) of the layouts among `configs` that split into V >= 2 stages per rank and where stock
+    Megatron-Core still runs 1F1B with V = 1 (`stock_schedule`: M < P)."""
+    return sorted({(c.tp, c.pp, c.dp, c.micro_batch_size, c.microbatches) for c in configs
+                   if c.vp >= 2 and stock_schedule(c.pp, c.vp, c.microbatches)[1] == 1})
 
 
 def _vp_sizes(model: ModelProfile, pp: int, split: StageSplit) -> list[int]:
@@ -230,6 +299,7 @@ def plan(model: ModelProfile, hw: Hardware, gpus: int, global_batch: int, space:
     if top < 1:
         raise ValueError(f"--top must be >= 1 (got {top})")
     configs, bad = enumerate_configs(model, hw, gpus, global_batch, space)
+    fallback = stock_fallback_layouts(configs + [c for c, _ in bad if c is not None])
     bounds = _Bounds(model, hw)
     flops = model.model_flops_per_sequence() * global_batch
     usable = hw.usable_memory_bytes
@@ -281,4 +351,4 @@ def plan(model: ModelProfile, hw: Hardware, gpus: int, global_batch: int, space:
         if not reasons:
             reasons = list(dict.fromkeys(why for _, why in bad))[:3]
         notes.append("no configuration fits: " + "; ".join(reasons or ["the search space is empty"]))
-    return PlanResult(fitting[:top], promising, len(configs), simulated, notes)
+    return PlanResult(fitting[:top], promising, len(configs), simulated, notes, space.stock, fallback)

@@ -39,6 +39,13 @@ def check_config(model: ModelProfile, hw: Hardware, cfg: Config) -> None:
         )
     if cfg.group_size is not None and not kind.takes_group_size:
         raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage does not apply to {cfg.schedule}: drop it")
+    # Megatron-LM's own check (arguments.py) asks for V > 1, the distributed optimizer and --overlap-param-gather;
+    # the simulator models it on Megatron's interleaved order only.
+    if cfg.param_gather_with_optimizer and not (kind.megatron_order and kind.virtual_stages and cfg.zero_stage == 1
+                                                and cfg.dp_overlap):
+        raise ValueError("--overlap-param-gather-with-optimizer-step is modelled for Megatron's interleaved schedule "
+                         "with its distributed optimizer and overlapped gathers: it needs --pipeline-schedule "
+                         "interleaved-1f1b, --zero-stage 1 and --dp-overlap on")
     try:
         built_schedule(schedule_spec(cfg).order_spec())  # the kind's own rules on M and the group size
     except ScheduleError as e:
@@ -126,6 +133,7 @@ def config_dict(cfg: Config) -> dict:
         "decoder_last_pipeline_num_layers": cfg.split.last_pipeline_num_layers,
         "account_for_embedding_in_pipeline_split": cfg.split.account_for_embedding,
         "account_for_loss_in_pipeline_split": cfg.split.account_for_loss,
+        "overlap_param_gather_with_optimizer_step": cfg.param_gather_with_optimizer,
     }
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_bfpp.schedule import build, peak_pending_weight_grads
 from megatron_bfpp.sim import (
-    Config, Partition, SearchSpace, analytic_costs, get_hardware, get_model, plan, predict, simulate_schedule,
+    STOCK, Config, Partition, SearchSpace, analytic_costs, get_hardware, get_model, plan, predict, simulate_schedule,
     unit_costs,
 )
 from megatron_bfpp.sim.costs import (
@@ -111,9 +111,12 @@ def test_w_at_input_grad_makes_a_split_schedule_its_fused_order():
     assert at_i.peak_memory_gib == pytest.approx(fused.peak_memory_gib, rel=1e-9)
     assert deferred.step_time_s < at_i.step_time_s
     best = plan(GPT52, A100, 512, 64, SearchSpace(w_at_input_grad=True), top=1).candidates[0]
-    today = plan(GPT52, A100, 512, 64, SearchSpace(schedules=("interleaved-1f1b",), zero_stages=(1,)),
-                 top=1).candidates[0]
-    assert best.tflops_per_gpu == pytest.approx(today.tflops_per_gpu, rel=1e-6)  # nothing to gain at 1/8
+    today = plan(GPT52, A100, 512, 64, STOCK, top=1).candidates[0]
+    # Nothing to gain at 1/8: the same interleaved order, less only the first chunk's parameter gather, which stock
+    # overlaps with its optimizer step (--overlap-param-gather-with-optimizer-step).
+    assert today.config.param_gather_with_optimizer and not best.config.param_gather_with_optimizer
+    assert best.tflops_per_gpu == pytest.approx(today.tflops_per_gpu, rel=5e-3)
+    assert best.tflops_per_gpu < today.tflops_per_gpu
     assert not best.config.split_backward  # and a tie goes to the fused schedule
 
 
@@ -264,9 +267,9 @@ def test_plan_over_split_schedules_is_exact():
 
 
 def test_unrestricted_plan_picks_a_split_schedule_at_small_batch():
-    """52B on 512 A100 at 1/8 sequence per GPU: the unrestricted planner beats today's Megatron (interleaved
-    1F1B, tuned group size, overlapped distributed optimizer) with a split-backward schedule."""
-    today = plan(GPT52, A100, 512, 64, SearchSpace(schedules=("interleaved-1f1b",), zero_stages=(1,)), top=1)
+    """52B on 512 A100 at 1/8 sequence per GPU: the unrestricted planner beats today's Megatron (stock at its best:
+    interleaved 1F1B, tuned group size, overlapped distributed optimizer) with a split-backward schedule."""
+    today = plan(GPT52, A100, 512, 64, STOCK, top=1)
     ours = plan(GPT52, A100, 512, 64, SearchSpace(recompute=(False,)), top=1)
     best = ours.candidates[0]
     assert best.config.schedule in ("breadth-first-zb", "interleaved-zb")
