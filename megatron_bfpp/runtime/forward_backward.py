@@ -4,7 +4,8 @@
 Megatron-LM's `train_step` / `evaluate` use. Each call completes the spec for the call (P, V, its number of
 micro-batches, forward-only, the ZeRO stage and the split-backward settings of its model chunks), builds
 (cached) and validates that lowered schedule, checks with the other pipeline and data-parallel ranks that they
-run the same one (the spec's fingerprint), and executes it.
+run the same one (the spec's fingerprint), and executes it. What it keeps between calls lives on
+`state.runtime_state`; the functions below are its public face.
 """
 
 from __future__ import annotations
@@ -19,44 +20,40 @@ import torch.distributed as dist
 from ..schedule import SCHEDULE_NAMES, Schedule, ScheduleSpec
 from ..sharded.ddp import ShardedDataParallel
 from ..sharded.driver import ShardedDriver
-from .executor import PipelineError, ScheduleExecutor
+from .executor import ScheduleExecutor
 from .hooks import DataParallelDriverProtocol, MegatronConfigDriver
-from .p2p import PipelineP2P, channel_groups
 from .recorder import ActionRecorder
 from .split_backward import splits_by_deferral, writes_main_grad_at_input_grad
-
-_state: dict[str, Any] = {"recorder": None, "wait_timeout_s": None, "last_schedule": None, "p2p": {},
-                          "last_run": {}, "agreed": set()}
+from .state import runtime_state
 
 
 def set_recorder(recorder: ActionRecorder | None) -> None:
     """Record executed actions of the following calls into `recorder` (None: stop recording)."""
-    _state["recorder"] = recorder
+    runtime_state.recorder = recorder
 
 
 def set_wait_timeout(seconds: float | None) -> None:
     """Bound every p2p wait (default: the process group's timeout, Megatron's --distributed-timeout-minutes)."""
-    _state["wait_timeout_s"] = seconds
+    runtime_state.wait_timeout_s = seconds
 
 
 def reset_runtime_groups() -> None:
     """Forget cached channel groups, transfer objects and agreed schedules (call when the process groups are
     destroyed)."""
-    channel_groups.forget()
-    _state["p2p"].clear()
-    _state["agreed"].clear()
+    runtime_state.reset()
 
 
 def last_schedule() -> Schedule | None:
     """The lowered schedule of the most recent call (for reports and tests)."""
-    return _state["last_schedule"]
+    return runtime_state.last_schedule
 
 
 def last_run_stats() -> dict:
     """Of the most recent call: `pp_send_bytes` and `peak_activation_bytes` (saved for backward)."""
-    return dict(_state["last_run"])
+    return dict(runtime_state.last_run)
 
 
+# A memo of a pure function of the (frozen) spec, not state: nothing ever needs it forgotten.
 @functools.lru_cache(maxsize=64)
 def _cached_schedule(spec: ScheduleSpec) -> Schedule:
     return spec.build(lowered=True)
@@ -89,36 +86,6 @@ def _make_driver(model: Sequence[torch.nn.Module], config: Any) -> tuple[DataPar
         driver = ShardedDriver(list(model))
         return driver, driver.zero_stage
     return MegatronConfigDriver(model, config), 1
-
-
-def _handshake(spec: ScheduleSpec, groups: dict[str, dist.ProcessGroup | None], device: torch.device) -> None:
-    """All ranks of the pipeline and data-parallel groups must execute the same schedule: compare the
-    fingerprints of their specs (every field of `ScheduleSpec`).
-
-    Once per distinct (spec, groups): the exchange syncs the host, so it must not run every iteration.
-    Every rank of a group sees the same sequence of schedules, so all of them skip or exchange together.
-    """
-    names, fields = (list(x) for x in zip(*spec.fingerprint()))
-    key = (tuple(fields), tuple(tuple(dist.get_process_group_ranks(g)) if g is not None else () for g in groups.values()))
-    if key in _state["agreed"]:
-        return
-    mine = torch.tensor(fields, dtype=torch.int64, device=device)
-    for kind, group in groups.items():
-        if group is None or dist.get_world_size(group) == 1:
-            continue
-        n = dist.get_world_size(group)
-        out = torch.empty(n * len(fields), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(out, mine, group=group)
-        rows = out.view(n, len(fields)).tolist()
-        ranks = dist.get_process_group_ranks(group)
-        for r, row in zip(ranks, rows):
-            if row != fields:
-                diff = ", ".join(f"{nm} {a} vs {b}" for nm, a, b in zip(names, fields, row) if a != b)
-                raise PipelineError(
-                    f"rank {dist.get_rank()}: {kind}-parallel rank {r} runs a different schedule ({diff}); every "
-                    "rank must get the same --pipeline-schedule, micro-batch counts, group size and --zero-stage"
-                )
-    _state["agreed"].add(key)
 
 
 def get_forward_backward_func(
@@ -203,7 +170,7 @@ def get_forward_backward_func(
             i_writes_grads=kind.split_backward and any(writes_main_grad_at_input_grad(c, config) for c in chunks),
         ).resolved()  # the kind's default group size written in, as the schedule carries it
         schedule = _cached_schedule(call)
-        _state["last_schedule"] = schedule
+        runtime_state.last_schedule = schedule
         if hasattr(driver, "set_buffer_limits"):  # the sharded driver keeps the schedule's buffer bounds
             driver.set_buffer_limits(schedule.weight_buffers, schedule.grad_buffers)
 
@@ -227,26 +194,22 @@ def get_forward_backward_func(
         tensor_shape = (seq, micro_batch_size, config.hidden_size)
 
         if dist.is_initialized():
-            _handshake(call, {"pipeline": pp_group, "data": _dp_group(pg_collection)},
-                       device if device.type == "cuda" else torch.device("cpu"))
-        key = tuple(dist.get_process_group_ranks(pp_group)) if pp_group is not None else (0,)
-        p2p = _state["p2p"].get((key, device))
-        if p2p is None:
-            p2p = PipelineP2P(pp_group, device, _state["wait_timeout_s"])
-            _state["p2p"][(key, device)] = p2p
-        recorder = _state["recorder"]
+            runtime_state.handshake(call, {"pipeline": pp_group, "data": _dp_group(pg_collection)},
+                                    device if device.type == "cuda" else torch.device("cpu"))
+        p2p = runtime_state.p2p(pp_group, device)
+        recorder = runtime_state.recorder
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
         executor = ScheduleExecutor(
             schedule=schedule, pp_rank=pp_rank, model=chunks, forward_step_func=forward_step_func,
             data_iterator=data_iterator, config=config, tensor_shape=tensor_shape, p2p=p2p, driver=driver,
             collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step, recorder=recorder,
-            wait_timeout_s=_state["wait_timeout_s"], global_rank=dist.get_rank() if dist.is_initialized() else 0,
+            wait_timeout_s=runtime_state.wait_timeout_s, global_rank=dist.get_rank() if dist.is_initialized() else 0,
             cp_group_size=cp,
         )
         sent_before = p2p.sent_bytes
         store = executor.run()
-        _state["last_run"] = {"pp_send_bytes": p2p.sent_bytes - sent_before,
+        runtime_state.last_run = {"pp_send_bytes": p2p.sent_bytes - sent_before,
                               "peak_activation_bytes": executor.peak_activation_bytes}
         if config.finalize_model_grads_func is not None and not forward_only:
             config.finalize_model_grads_func(

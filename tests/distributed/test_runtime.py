@@ -297,7 +297,7 @@ def test_waits_take_a_timeout_only_where_they_block_the_host(host_blocking):
 def _handshake_worker(rank: int, world: int) -> int:
     import torch.distributed as dist
 
-    from megatron_bfpp.runtime import forward_backward as fbm
+    from megatron_bfpp.runtime import runtime_state
     from megatron_bfpp.schedule import ScheduleSpec
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -313,7 +313,7 @@ def _handshake_worker(rank: int, world: int) -> int:
     try:
         a, b = ScheduleSpec("breadth-first", 2, 2, 4), ScheduleSpec("breadth-first", 2, 2, 2)
         for s in (a, a, a, b, b, a):
-            fbm._handshake(s, {"pipeline": group}, torch.device("cpu"))
+            runtime_state.handshake(s, {"pipeline": group}, torch.device("cpu"))
     finally:
         dist.all_gather_into_tensor = original
     return len(calls)

@@ -665,7 +665,7 @@ def test_megatron_train_step_matches_plugin_trainer(run_distributed, tmp_path: P
 
 def test_timeline_recorder_records_training_calls_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_bfpp.megatron.timeline import TimelineRecorder, merge, rank_file
-    from megatron_bfpp.runtime import forward_backward as fb_module
+    from megatron_bfpp.runtime import runtime_state
 
     monkeypatch.setenv("RANK", "3")
     # Other tests may leave a one-process group initialised in this interpreter: take the rank from RANK.
@@ -673,7 +673,7 @@ def test_timeline_recorder_records_training_calls_only(tmp_path: Path, monkeypat
     seen = []
 
     def fake_forward_backward(**kwargs):
-        rec = fb_module._state["recorder"]
+        rec = runtime_state.recorder
         seen.append((kwargs.get("forward_only", False), None if rec is None else rec.iteration))
         return []
 
@@ -683,7 +683,7 @@ def test_timeline_recorder_records_training_calls_only(tmp_path: Path, monkeypat
         wrapped(forward_only=forward_only)
     assert seen == [(False, 0), (True, None), (False, 1), (False, None)]  # evaluation and later steps unrecorded
     assert rank_file(path, 3) == tmp_path / "tl.rank3.json" and rank_file(path, 3).is_file()
-    assert fb_module._state["recorder"] is None
+    assert runtime_state.recorder is None
     with pytest.raises(FileNotFoundError, match="no rank files"):
         merge(tmp_path / "other.json")
 

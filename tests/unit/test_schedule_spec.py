@@ -15,6 +15,7 @@ import torch
 from megatron_bfpp.megatron.flags import PIPELINE_SCHEDULES, add_arguments
 from megatron_bfpp.runtime import forward_backward as fb
 from megatron_bfpp.runtime.executor import PipelineError
+from megatron_bfpp.runtime.state import RuntimeState
 from megatron_bfpp.schedule import (
     GROUPED_SCHEDULES, KINDS, SCHEDULE_NAMES, SPLIT_BACKWARD_SCHEDULES, Op, ScheduleError, ScheduleKind, ScheduleSpec,
     build, builders, make_schedule,
@@ -107,9 +108,8 @@ def test_handshake_compares_every_field_of_the_spec(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(fb.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(fb.dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(fb.dist, "all_gather_into_tensor", lambda out, inp, group=None: out.copy_(rows))
-    monkeypatch.setitem(fb._state, "agreed", set())
     with pytest.raises(PipelineError, match="pipeline-parallel rank 1 runs a different schedule") as e:
-        fb._handshake(mine, {"pipeline": object()}, torch.device("cpu"))
+        RuntimeState().handshake(mine, {"pipeline": object()}, torch.device("cpu"))
     diff = str(e.value).split("(", 1)[1]
     for (label, a), (_, b) in zip(mine.fingerprint(), theirs.fingerprint()):
         assert f"{label} {a} vs {b}" in diff
