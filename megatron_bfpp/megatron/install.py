@@ -24,14 +24,48 @@ from . import compat
 from ..schedule.kinds import SPLIT_BACKWARD_SCHEDULES
 from .validation import PluginConfig, validate_args
 
-# (module object, attribute, original value) for everything rebound, in order; restored in reverse.
-_rebound: list[tuple[Any, str, Any]] = []
-_installed: dict[str, PluginConfig] = {}
+
+class Installation:
+    """What `install` put in place: the names it rebound, each with its original value, and its configuration.
+    The process has one, `installation`; `install`, `uninstall`, `installed_config` and `is_installed` use it."""
+
+    def __init__(self) -> None:
+        # (module object, attribute, original value) for everything rebound, in order; restored in reverse.
+        self._rebound: list[tuple[Any, str, Any]] = []
+        self.config: PluginConfig | None = None
+
+    def apply(self, plan: list[tuple[Any, str, Any]], cfg: PluginConfig) -> None:
+        """Rebind each (module, attribute) of `plan` to its value and remember `cfg`, in place of any previous
+        installation. `plan` is resolved in full beforehand: setting the names cannot fail halfway."""
+        self.remove()
+        for mod, attr, value in plan:
+            self._rebound.append((mod, attr, getattr(mod, attr, None)))
+            setattr(mod, attr, value)
+        self.config = cfg
+
+    def remove(self) -> PluginConfig | None:
+        """Restore every rebound name and forget the configuration; returns the configuration removed."""
+        while self._rebound:
+            mod, attr, original = self._rebound.pop()
+            setattr(mod, attr, original)
+        cfg, self.config = self.config, None
+        return cfg
+
+    def rebinds(self, mod: Any, attr: str) -> bool:
+        """Whether this installation set `attr` of `mod`."""
+        return any(m is mod and a == attr for m, a, _ in self._rebound)
+
+    def rebound(self) -> list[tuple[Any, str]]:
+        """(module, attribute) of every rebound name, in the order they were set."""
+        return [(m, a) for m, a, _ in self._rebound]
+
+
+installation = Installation()
 
 
 def installed_config() -> PluginConfig | None:
     """The configuration of the current install, or None."""
-    return _installed.get("config")
+    return installation.config
 
 
 def _log(message: str) -> None:
@@ -85,7 +119,7 @@ def check_requested_delay(args: argparse.Namespace, cfg: PluginConfig) -> None:
     TransformerEngine layers cannot delay correctly (ConfigError naming the flag and the fix)."""
     from .validation import ConfigError
 
-    ours = any(mod is args and attr == "delay_wgrad_compute" for mod, attr, _ in _rebound)  # set by our install
+    ours = installation.rebinds(args, "delay_wgrad_compute")  # set by our install
     if not cfg.uses_runtime or not getattr(args, "delay_wgrad_compute", False) or ours:
         return
     blocker = te_delayed_wgrad_blocker(args)
@@ -329,11 +363,8 @@ def install(args: argparse.Namespace) -> PluginConfig:
                       f"({', '.join(f'{a}.{b}.x' for a, b in compat.SUPPORTED_VERSIONS)}); its rebinding points exist, "
                       "continuing", stacklevel=2)
 
-    uninstall()
-    for mod, attr, value in plan:
-        _rebound.append((mod, attr, getattr(mod, attr, None)))
-        setattr(mod, attr, value)
-    _installed["config"] = cfg
+    uninstall()  # also resets the wait timeout the previous install set
+    installation.apply(plan, cfg)
     if cfg.uses_runtime:
         # Every p2p wait and channel group bounded by Megatron's --distributed-timeout-minutes.
         from ..runtime import set_wait_timeout
@@ -356,15 +387,13 @@ def install(args: argparse.Namespace) -> PluginConfig:
 
 def uninstall() -> None:
     """Restore every name `install` rebound (no-op when nothing is installed)."""
-    while _rebound:
-        mod, attr, original = _rebound.pop()
-        setattr(mod, attr, original)
-    if _installed.pop("config", None) is not None and "megatron_bfpp.runtime" in sys.modules:
+    if installation.remove() is not None and "megatron_bfpp.runtime" in sys.modules:
         sys.modules["megatron_bfpp.runtime"].set_wait_timeout(None)
 
 
 def is_installed() -> bool:
-    return bool(_rebound)
+    """Whether the current install rebound any name (the default schedule installs without rebinding)."""
+    return bool(installation.rebound())
 
 
 def install_or_exit(args: argparse.Namespace) -> PluginConfig:
