@@ -442,16 +442,19 @@ def test_ab_dry_run_fair_variants_checked_by_megatron(subprocesses, monkeypatch:
         assert c[0].startswith("CUDA_DEVICE_MAX_CONNECTIONS=1") and c[2] == "srun" and "torchrun" in c
         assert ("megatron_bfpp.run_megatron_script" in c) == v.startswith("plugin")
     dist_opt = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
-    assert flags["stock-g8"][-5:] == dist_opt + ["--microbatch-group-size-per-virtual-pipeline-stage", "8"]
+    stock_best = dist_opt + ["--overlap-param-gather-with-optimizer-step", "--ckpt-format", "torch"]
+    assert flags["stock-g8"][-10:] == ["--num-layers-per-virtual-pipeline-stage", "1", *stock_best,
+                                       "--microbatch-group-size-per-virtual-pipeline-stage", "8"]
     assert flags["stock-g16"][-1] == "16"
     assert flags["plugin-bf-distopt"][-7:-2] == ["--pipeline-schedule", "breadth-first", *dist_opt]
     assert "--zero-stage" not in flags["plugin-bf-distopt"] and "--timeline" in flags["plugin-bf-distopt"]
     z3 = flags["plugin-bf-zero3"]
     assert z3[z3.index("--zero-stage") + 1] == "3" and "--use-distributed-optimizer" not in z3
     assert z3[z3.index("--recompute-granularity") + 1] == "selective"  # per variant only
-    common = flags["stock-g8"][:-5]
+    common = flags["stock-g8"][:-10]
     for v, f in flags.items():
-        assert f[: len(common)] == common, v  # identical model, layout, batch, data, seed, logging
+        # identical model, layout (the same virtual stages), batch, data, seed, logging
+        assert f[: len(common) + 2] == common + ["--num-layers-per-virtual-pipeline-stage", "1"], v
     assert "--recompute-granularity" not in common and "--sequence-parallel" in common and "--bf16" in common
     assert _flag(common, "--transformer-impl") == "local"  # no TransformerEngine here
     assert _flag(common, "--seed") == "1234" and "--mock-data" in common
@@ -461,7 +464,31 @@ def test_ab_dry_run_fair_variants_checked_by_megatron(subprocesses, monkeypatch:
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     args = parse_megatron_args(flags["stock-g8"], world_size=64)
     assert args.use_distributed_optimizer and args.overlap_param_gather and args.virtual_pipeline_model_parallel_size == 5
+    assert args.overlap_param_gather_with_optimizer_step and not args.use_dist_ckpt
     assert args.sequence_parallel and args.microbatch_group_size_per_vp_stage == 8
+
+
+@needs_mlm
+def test_ab_dry_run_stock_falls_back_below_one_microbatch_per_rank(subprocesses, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU pair at M = 2 < P = 4: stock's command has no virtual stages (Megatron runs 1F1B), ours keep V = 2;
+    Megatron's parser and the project's check accept all three, and the driver says why stock falls back."""
+    r = _run([*AB, "--megatron-lm-dir", MEGATRON_LM_DIR, "--dry-run", "--cpu-smoke", "--model", "cpu-p4-m2",
+              "--variants", "stock,plugin-bf-distopt,plugin-izb-distopt"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "note: M = 2 < P = 4: Megatron-Core's interleaved schedule needs a micro-batch group size in [P, M]" in r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert sum(ln.startswith("# check ") and ": ok: PluginConfig(" in ln for ln in lines) == 3
+    cmds = {h[2:].split(":")[0]: shlex.split(c) for h, c in zip(lines, lines[1:]) if h.startswith("# ") and ": log -> " in h}
+    flags = {v: _flags_after_script(c) for v, c in cmds.items()}
+    assert "--num-layers-per-virtual-pipeline-stage" not in flags["stock"]
+    from megatron_bfpp.megatron.check import parse_megatron_args
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    stock = parse_megatron_args(flags["stock"], world_size=4)
+    assert stock.virtual_pipeline_model_parallel_size is None and stock.pipeline_model_parallel_size == 4
+    assert stock.use_distributed_optimizer and stock.overlap_param_gather
+    for v in ("plugin-bf-distopt", "plugin-izb-distopt"):
+        assert parse_megatron_args(flags[v], world_size=4).virtual_pipeline_model_parallel_size == 2, v
 
 
 @needs_mlm
@@ -476,7 +503,8 @@ def test_ab_dry_run_split_backward_variants(subprocesses, monkeypatch: pytest.Mo
     izb, bfzb = flags["plugin-izb-distopt"], flags["plugin-bfzb-zero3"]
     assert _flag(izb, "--pipeline-schedule") == "interleaved-zb" and "--use-distributed-optimizer" in izb
     assert _flag(bfzb, "--pipeline-schedule") == "breadth-first-zb" and _flag(bfzb, "--zero-stage") == "3"
-    common = flags["stock"][:-5]
+    common = flags["stock"][:-8]  # the same model, layout, virtual stages, batch, data, seed
+    assert common[-2] == "--num-layers-per-virtual-pipeline-stage"
     assert izb[: len(common)] == common and bfzb[: len(common)] == common
     from megatron_bfpp.megatron.check import parse_megatron_args
 

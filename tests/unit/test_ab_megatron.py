@@ -28,11 +28,15 @@ def _after_script(cmd: list[str]) -> list[str]:
     return cmd[next(i for i, x in enumerate(cmd) if x.endswith("pretrain_gpt.py")) + 1:]
 
 
+def _variants(a) -> list[commands.Variant]:
+    lay = commands.layout(a)
+    return commands.variants(a, lay, cli.stock_vp_at(lay))
+
+
 def _planned(*argv: str, impl: str = "local", host: str = commands.FIRST_NODE) -> tuple[list[str], list[RunRecord]]:
     a = _options(*argv)
-    lay = commands.layout(a)
-    flags = commands.common_flags(a, lay, impl)
-    return flags, commands.plan(a, "/opt/mlm", Path("/out"), commands.variants(a, lay), flags, host)
+    flags = commands.common_flags(a, commands.layout(a), impl)
+    return flags, commands.plan(a, "/opt/mlm", Path("/out"), _variants(a), flags, host)
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -55,11 +59,14 @@ def test_stock_and_plugin_runs_get_the_same_megatron_flags() -> None:
         assert (r.timeline is not None) == r.variant.startswith("plugin")
         assert r.log == f"/out/{r.variant}.rep{r.rep}.log"
     dist_opt = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
-    assert own["stock-g8"] == [*dist_opt, "--microbatch-group-size-per-virtual-pipeline-stage", "8"]
+    vs = ["--num-layers-per-virtual-pipeline-stage", "1"]  # 13b: V = 5 on every variant
+    # Stock at its best when it interleaves: also the parameter gather overlapped with its optimizer step.
+    assert own["stock-g8"] == [*vs, *dist_opt, "--overlap-param-gather-with-optimizer-step", "--ckpt-format", "torch",
+                               "--microbatch-group-size-per-virtual-pipeline-stage", "8"]
     assert own["stock-g16"][-1] == "16"
-    assert own["plugin-bf-distopt"] == ["--pipeline-schedule", "breadth-first", *dist_opt, "--timeline",
+    assert own["plugin-bf-distopt"] == [*vs, "--pipeline-schedule", "breadth-first", *dist_opt, "--timeline",
                                         "/out/plugin-bf-distopt.rep2.timeline.json"]
-    assert own["plugin-bf-zero3"][:6] == ["--pipeline-schedule", "breadth-first", "--zero-stage", "3",
+    assert own["plugin-bf-zero3"][:8] == [*vs, "--pipeline-schedule", "breadth-first", "--zero-stage", "3",
                                           "--recompute-granularity", "selective"]  # per variant only
     # One rendezvous port per run; srun's rendezvous on the allocation's first node.
     ports = [int(r.command[r.command.index("--rdzv-endpoint") + 1].split(":")[1]) for r in records]
@@ -93,32 +100,60 @@ def test_common_flags_follow_the_layout_precision_and_data() -> None:
 
 def test_layout_and_stock_group_sizes() -> None:
     lay = commands.layout(_options("--model", "1.3b", "--gpus-per-node", "8"))
-    assert (lay["world"], lay["dp"], lay["m"]) == (8, 2, 32)
-    assert commands.stock_group_sizes(_options("--model", "1.3b"), lay) == [4, 8]  # P and 2P: 2P divides M
+    assert (lay["world"], lay["dp"], lay["m"], lay["vp"]) == (8, 2, 32, 3)
+    assert commands.stock_group_sizes(_options("--model", "1.3b"), lay, 3) == [4, 8]  # P and 2P: 2P divides M
     small = commands.layout(_options("--model", "1.3b", "--gbs", "24"))
-    assert small["m"] == 12 and commands.stock_group_sizes(_options(), small) == [4]  # 8 does not divide 12
-    assert commands.stock_group_sizes(_options("--stock-group-sizes", "2, 6,"), lay) == [2, 6]
+    assert small["m"] == 12 and commands.stock_group_sizes(_options(), small, 3) == [4]  # 8 does not divide 12
+    assert commands.stock_group_sizes(_options("--stock-group-sizes", "2, 6,"), lay, 3) == [2, 6]
+    assert commands.stock_group_sizes(_options(), lay, 1) == []  # 1F1B takes none
     with pytest.raises(SystemExit, match=r"1 node\(s\) x 3 = 3 ranks is not a multiple of TP x PP = 4"):
         commands.layout(_options("--model", "1.3b", "--gpus-per-node", "3"))
+    with pytest.raises(SystemExit, match="4 layer\(s\) per virtual stage do not divide the 6 layers"):
+        commands.layout(_options("--model", "1.3b", "--layers-per-stage", "4"))
 
 
 def test_variants_added_extended_and_refused() -> None:
     a = _options("--variants", "stock,zb", "--stock-group-sizes", "8", "--add-variant",
                  "zb=plugin:--pipeline-schedule interleaved-1f1b --foo 'a b'", "--variant-flags", "stock=--x 1",
                  "--variant-flags", "stock=--y")
-    vs = {v.name: v for v in commands.variants(a, commands.layout(a))}
+    vs = {v.name: v for v in _variants(a)}
     assert list(vs) == ["stock", "zb"]  # one group size: plain "stock"
-    assert vs["zb"].plugin and vs["zb"].flags == ["--pipeline-schedule", "interleaved-1f1b", "--foo", "a b"]
+    assert vs["zb"].plugin and vs["zb"].flags == ["--num-layers-per-virtual-pipeline-stage", "2", "--pipeline-schedule",
+                                                  "interleaved-1f1b", "--foo", "a b"]  # the layout's V, then its own
     assert not vs["stock"].plugin and vs["stock"].flags[-3:] == ["--x", "1", "--y"]
     both = _options("--variant-flags", "stock=--x 1")  # "stock" reaches every stock-g<G>
-    assert all(v.flags[-2:] == ["--x", "1"] for v in commands.variants(both, commands.layout(both))
-               if v.name.startswith("stock"))
+    assert all(v.flags[-2:] == ["--x", "1"] for v in _variants(both) if v.name.startswith("stock"))
     for argv, message in ((("--variants", "stock,nope"), "--variants nope unknown"),
                           (("--variant-flags", "nope=--foo"), "no such variant"),
                           (("--add-variant", "bad"), "use NAME=stock")):
-        a = _options(*argv)
         with pytest.raises(SystemExit, match=message):
-            commands.variants(a, commands.layout(a))
+            _variants(_options(*argv))
+
+
+@pytest.mark.parametrize("argv, procs", [
+    (("--cpu-smoke", "--model", "cpu-p4-m2"), 4),  # P = 4, V = 2, M = 2 on 4 gloo processes
+    (("--model", "13b", "--nnodes", "8", "--gbs", "16"), 8),  # P = 8, V = 5, D = 4, M = 4
+], ids=["cpu-p4-m2", "13b-gbs16"])
+def test_stock_runs_1f1b_without_virtual_stages_at_m_below_p(argv: tuple[str, ...], procs: int) -> None:
+    """M < P: Megatron-Core's interleaved schedule refuses every group size, so stock at its best is 1F1B with the
+    distributed optimizer and its overlaps (the planner's rule); our variants run the layout's virtual stages. Every
+    variant keeps the same model, layout, batch, data and seed flags."""
+    a = _options(*argv, "--variants", "stock,plugin-bf-distopt,plugin-izb-distopt")
+    lay = commands.layout(a)
+    assert lay["m"] < lay["pp"] and lay["vp"] >= 2 and cli.stock_vp_at(lay) == 1
+    flags, records = _planned(*argv, "--variants", "stock,plugin-bf-distopt,plugin-izb-distopt")
+    own = {r.variant: _after_script(r.command)[len(flags):] for r in records}
+    assert list(own) == ["stock", "plugin-bf-distopt", "plugin-izb-distopt"]
+    dist_opt = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    assert own["stock"] == dist_opt  # no virtual stages, no group size, no optimizer-step overlap (needs V > 1)
+    vs = ["--num-layers-per-virtual-pipeline-stage", str(lay["lps"])]
+    assert own["plugin-bf-distopt"][:5] == [*vs, "--pipeline-schedule", "breadth-first", dist_opt[0]]
+    assert own["plugin-izb-distopt"][:5] == [*vs, "--pipeline-schedule", "interleaved-zb", dist_opt[0]]
+    assert all(_after_script(r.command)[: len(flags)] == flags for r in records)
+    assert "--num-layers-per-virtual-pipeline-stage" not in flags
+    assert all(_flag(r.command, "--nproc-per-node") == str(procs) for r in records)
+    with pytest.raises(SystemExit, match="stock runs 1F1B without virtual stages here"):
+        _variants(_options(*argv, "--stock-group-sizes", "4"))
 
 
 def test_launch_prefix_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,9 +177,28 @@ def test_cpu_smoke_settings_keep_what_the_command_line_gives() -> None:
     a = _options("--cpu-smoke")
     assert (a.model, a.gpus_per_node, a.iters, a.warmup, a.reps, a.transformer_impl) == ("cpu-smoke", 2, 6, 2, 1,
                                                                                           "local")
-    assert (a.loss_rtol, a.loss_rtol_all) == (report.FP32_RTOL["first"], report.FP32_RTOL["all"])
+    assert _options("--cpu-smoke", "--model", "13b").model == "cpu-smoke"  # a GPU model is not run on CPU
+    deep = _options("--cpu-smoke", "--model", "cpu-p4-m2")
+    assert (deep.model, deep.gpus_per_node) == ("cpu-p4-m2", 4)  # one process per pipeline rank, D = 1
     given = _options("--cpu-smoke", "--iters", "4", "--reps", "2", "--loss-rtol", "0.1")
     assert (given.iters, given.reps, given.loss_rtol) == (4, 2, 0.1)
+
+
+def test_same_model_tolerances_follow_precision_and_layer_placement() -> None:
+    """fp32's on CPU where every variant builds each layer on the same pipeline rank; bf16's on GPU, and where stock
+    runs without the layout's virtual stages (M < P), since Megatron seeds each pipeline rank's weights apart."""
+    for argv, same, rtol in ((("--cpu-smoke",), True, report.FP32_RTOL), (("--cpu-smoke", "--model", "cpu-p4-m2"),
+                                                                           False, report.BF16_RTOL),
+                             ((), True, report.BF16_RTOL),
+                             (("--model", "13b", "--nnodes", "8", "--gbs", "16"), False, report.BF16_RTOL)):
+        a = _options(*argv)
+        lay = commands.layout(a)
+        assert (cli.stock_vp_at(lay) == lay["vp"]) is same
+        cli.apply_tolerances(a, same)
+        assert (a.loss_rtol, a.loss_rtol_all) == (rtol["first"], rtol["all"]), argv
+    given = _options("--cpu-smoke", "--loss-rtol", "0.1")
+    cli.apply_tolerances(given, False)
+    assert (given.loss_rtol, given.loss_rtol_all) == (0.1, report.BF16_RTOL["all"])
 
 
 # ----------------------------------------------------------------------------------------------------- logs
@@ -289,6 +343,16 @@ def test_summary_same_model_check(ours: dict, problem: str) -> None:
     assert rows[1]["loss_check"] == f"mismatch: {problem} (stock)"
     assert errors == [f"variant plugin: {problem} against stock: the variants did not train the same model; "
                       f"see /out/plugin.rep1.log"]
+
+
+def test_grad_norm_compares_as_printed_with_three_decimals() -> None:
+    """Megatron-LM prints the grad norm with three decimals: one unit of the last digit apart is no mismatch, even at
+    fp32's tolerance; more is."""
+    base = _log("stock", gnorm=1.843)
+    fp32 = (report.FP32_RTOL["first"], report.FP32_RTOL["all"])
+    assert report.same_model_problem(_log("p", gnorm=1.842), base, *fp32) is None
+    assert report.same_model_problem(_log("p", gnorm=1.841), base, *fp32) == (
+        "grad norm 1.841 vs 1.843 at iteration 1 (beyond --loss-rtol 0.0001)")
 
 
 def test_same_model_within_bf16_noise_and_without_losses() -> None:

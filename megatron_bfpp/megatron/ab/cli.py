@@ -3,9 +3,13 @@
 Variants (--variants; each can get its own extra flags with --variant-flags NAME="...", and more variants can be
 added with --add-variant NAME=stock|plugin:"FLAGS", e.g. later schedules):
 
-- stock (stock-g<G> for each --stock-group-sizes G): the unmodified pretrain_gpt.py, interleaved 1F1B (virtual
-  stages) with the micro-batch group size G, Megatron's distributed optimizer with --overlap-grad-reduce and
-  --overlap-param-gather; the best of the stock-g<G> runs is the baseline;
+- stock (stock-g<G> for each --stock-group-sizes G): the unmodified pretrain_gpt.py at its best for the layout
+  (the planner's `bfpp plan --stock` rules): interleaved 1F1B over the layout's virtual stages with the
+  micro-batch group size G, Megatron's distributed optimizer with --overlap-grad-reduce, --overlap-param-gather
+  and --overlap-param-gather-with-optimizer-step (with --ckpt-format torch, which that flag needs); the best of
+  the stock-g<G> runs is the baseline. Where M < P its interleaved schedule refuses every group size, and stock
+  runs 1F1B without virtual stages (no --num-layers-per-virtual-pipeline-stage) with the same optimizer flags
+  but the last (it needs interleaving);
 - plugin-bf-distopt: `python -m megatron_bfpp.run_megatron_script`, --pipeline-schedule breadth-first with
   Megatron's own distributed optimizer and overlap flags (no --zero-stage): what the schedule buys;
 - plugin-bf-zero3: the script runner, --pipeline-schedule breadth-first --zero-stage 3: what the sharding adds;
@@ -42,6 +46,8 @@ W (0: W has no work, e.g. TransformerEngine older than 2.3), ratios to the best 
     salloc -N 8 ... python scripts/ab_megatron.py --launcher srun --nnodes 8 --model 13b --out ab-13b
     python scripts/ab_megatron.py --parse-only --out ab-1.3b          # re-analyse existing logs
     python scripts/ab_megatron.py --cpu-smoke --out ab-cpu             # the real path on CPU (gloo, tiny GPT)
+    python scripts/ab_megatron.py --cpu-smoke --model cpu-p4-m2 --variants stock,plugin-bf-distopt,plugin-izb-distopt \
+        --out ab-cpu-m2                  # M = 2 < P = 4: stock runs 1F1B, ours breadth-first / interleaved-zb, V = 2
 """
 
 from __future__ import annotations
@@ -52,8 +58,9 @@ import os
 import sys
 from pathlib import Path
 
-from .commands import (BUILTIN, CPU_SHIM, MODELS, RunRecord, abs_path, common_flags, layout, plan, run_env,
-                       shell_line, variants)
+from ...sim.planner import STOCK_FALLBACK_RULE, stock_schedule
+from .commands import (BUILTIN, CPU_MODELS, CPU_SHIM, MODELS, RunRecord, abs_path, common_flags, layout, plan,
+                       run_env, shell_line, variants)
 from .report import BF16_RTOL, FP32_RTOL, analyse
 from .run import check_flags, detect_transformer_impl, first_node, run_all
 
@@ -107,24 +114,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-check", action="store_true", help="skip the flag check (python -m megatron_bfpp.megatron.check)")
     p.add_argument("--parse-only", action="store_true", help="only parse the logs already in --out (ab_runs.json)")
     p.add_argument("--cpu-smoke", action="store_true",
-                   help="the real path on CPU: tiny GPT, 2 gloo processes, mock data, fp32, a few iterations, through "
-                        "the test-only CPU shim (tests/support/cpu_shim)")
+                   help="the real path on CPU: a tiny GPT (--model cpu-smoke, the default: P = 2, V = 2, M = 8; or "
+                        "cpu-p4-m2: P = 4, V = 2, M = 2), one gloo process per pipeline rank, mock data, fp32, a few "
+                        "iterations, through the test-only CPU shim (tests/support/cpu_shim)")
     p.add_argument("extra", nargs="*", help="extra Megatron flags for every variant (after --)")
     return p
 
 
 def apply_cpu_smoke(a: argparse.Namespace) -> None:
-    """--cpu-smoke's settings: the tiny model on 2 local processes, fewer iterations and repetitions unless given,
-    local layers, fp32 tolerances."""
-    a.model, a.nnodes, a.gpus_per_node, a.launcher = "cpu-smoke", 1, 2, "torchrun"
+    """--cpu-smoke's settings: a CPU model (--model cpu-*, default cpu-smoke) on T x P local processes (D = 1),
+    fewer iterations and repetitions unless given, local layers (fp32: `apply_tolerances`)."""
+    if a.model not in CPU_MODELS:
+        a.model = "cpu-smoke"
+    _, _, _, _, tp, pp, _, _ = MODELS[a.model]
+    a.nnodes, a.gpus_per_node, a.launcher = 1, (a.tp or tp) * (a.pp or pp), "torchrun"
     a.iters = a.iters if a.iters != 30 else 6
     a.warmup = a.warmup if a.warmup != 5 else 2
     a.reps = a.reps if a.reps != 3 else 1
     a.transformer_impl = "local"
+
+
+def apply_tolerances(a: argparse.Namespace, same_layers: bool) -> None:
+    """--loss-rtol and --loss-rtol-all unless given: fp32's under --cpu-smoke where every variant builds each layer
+    on the same pipeline rank, bf16's otherwise. Megatron seeds a rank's initialisation with its pipeline rank
+    (seed + 100 x rank, megatron/training/initialize.py), so where stock runs without the layout's virtual stages
+    (M < P) layers start from other weights and the loss curves can only agree as loosely as in bf16."""
+    rtol = FP32_RTOL if a.cpu_smoke and same_layers else BF16_RTOL
     if a.loss_rtol is None:
-        a.loss_rtol = FP32_RTOL["first"]
+        a.loss_rtol = rtol["first"]
     if a.loss_rtol_all is None:
-        a.loss_rtol_all = FP32_RTOL["all"]
+        a.loss_rtol_all = rtol["all"]
+
+
+def stock_vp_at(lay: dict) -> int:
+    """Virtual stages per rank that stock Megatron-Core runs at this layout: the planner's rule (`stock_schedule`:
+    the layout's V, or 1 where M < P leaves its interleaved schedule refused)."""
+    return stock_schedule(lay["pp"], lay["vp"], lay["m"])[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,12 +162,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --cpu-smoke needs the test-only CPU shim {CPU_SHIM}/sitecustomize.py (a source checkout "
                   f"of megatron_bfpp)", file=sys.stderr)
             return 2
-    if a.loss_rtol is None:
-        a.loss_rtol = BF16_RTOL["first"]
-    if a.loss_rtol_all is None:
-        a.loss_rtol_all = BF16_RTOL["all"]
     out = Path(a.out).expanduser().absolute()
     lay = layout(a)
+    stock_vp = stock_vp_at(lay)
+    apply_tolerances(a, same_layers=stock_vp == lay["vp"])
     title = (f"GPT {a.model}: {lay['world']} ranks, TP={lay['tp']} PP={lay['pp']} DP={lay['dp']}, M={lay['m']}"
              f" - stock Megatron vs megatron_bfpp")
 
@@ -164,8 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     mlm = str(Path(mlm).resolve()) if Path(mlm).is_dir() else mlm
     impl = detect_transformer_impl(a)
     flags = common_flags(a, lay, impl)
-    vs = variants(a, lay)
+    vs = variants(a, lay, stock_vp)
     records = plan(a, mlm, out, vs, flags, first_node(a))
+    if stock_vp != lay["vp"] and any(not v.plugin for v in vs):
+        print(f"note: M = {lay['m']} < P = {lay['pp']}: {STOCK_FALLBACK_RULE}; its layers then sit on other pipeline "
+              f"ranks than ours, which Megatron seeds apart, so the same-model check compares loss curves within "
+              f"--loss-rtol {a.loss_rtol:g} / --loss-rtol-all {a.loss_rtol_all:g}", file=sys.stderr)
 
     if a.dry_run:
         print(f"# {title}")

@@ -23,8 +23,14 @@ MODELS: dict[str, tuple[int, int, int, int, int, int, int, int]] = {
     "13b": (40, 5120, 40, 2048, 2, 8, 1, 128),
     "52b": (64, 8192, 64, 2048, 8, 8, 2, 128),
     "cpu-smoke": (4, 64, 4, 64, 1, 2, 1, 8),
+    # Fewer micro-batches than pipeline ranks (M = 2 < P = 4, V = 2): stock cannot interleave, ours can.
+    "cpu-p4-m2": (8, 64, 4, 64, 1, 4, 1, 2),
 }
+CPU_MODELS = tuple(name for name in MODELS if name.startswith("cpu"))
 DIST_OPT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+# What stock adds when it interleaves: the first chunk's parameter all-gather overlapped with the optimizer step;
+# Megatron-LM allows it only without distributed checkpointing (arguments.py), which these runs do not save.
+STOCK_INTERLEAVED = ["--overlap-param-gather-with-optimizer-step", "--ckpt-format", "torch"]
 BUILTIN = ("stock", "plugin-bf-distopt", "plugin-bf-zero3")
 # On CPU: gloo, no fused kernels (the CPU shim's contract), fp32.
 CPU_FLAGS = ["--distributed-backend", "gloo", "--num-workers", "0", "--no-gradient-accumulation-fusion",
@@ -59,7 +65,8 @@ def abs_path(path: str | None) -> str | None:
 
 
 def layout(a: argparse.Namespace) -> dict:
-    """The model's shape and parallel layout with the command line's overrides; M per data-parallel rank."""
+    """The model's shape and parallel layout with the command line's overrides; V stages per rank, M per
+    data-parallel rank."""
     layers, hidden, heads, seq, tp, pp, lps, gbs = MODELS[a.model]
     tp, pp, lps, gbs = a.tp or tp, a.pp or pp, a.layers_per_stage or lps, a.gbs or gbs
     world = a.nnodes * a.gpus_per_node
@@ -67,18 +74,21 @@ def layout(a: argparse.Namespace) -> dict:
         raise SystemExit(f"error: {a.nnodes} node(s) x {a.gpus_per_node} = {world} ranks is not a multiple of "
                          f"TP x PP = {tp * pp}")
     dp = world // (tp * pp)
-    return dict(layers=layers, hidden=hidden, heads=heads, seq=seq, tp=tp, pp=pp, lps=lps, gbs=gbs, world=world,
-                dp=dp, m=gbs // (a.mbs * dp))
+    if layers % (pp * lps):
+        raise SystemExit(f"error: {lps} layer(s) per virtual stage do not divide the {layers // pp} layers of a "
+                         f"pipeline rank ({layers} layers, PP = {pp})")
+    return dict(layers=layers, hidden=hidden, heads=heads, seq=seq, tp=tp, pp=pp, lps=lps, vp=layers // (pp * lps),
+                gbs=gbs, world=world, dp=dp, m=gbs // (a.mbs * dp))
 
 
 def common_flags(a: argparse.Namespace, lay: dict, impl: str) -> list[str]:
-    """The Megatron flags every variant gets: model, layout, batch, data, seed, optimizer schedule, logging."""
+    """The Megatron flags every variant gets: model, layout (the virtual stages are each variant's), batch, data,
+    seed, optimizer schedule, logging."""
     flags = [
         "--num-layers", str(lay["layers"]), "--hidden-size", str(lay["hidden"]),
         "--num-attention-heads", str(lay["heads"]), "--seq-length", str(lay["seq"]),
         "--max-position-embeddings", str(lay["seq"]),
         "--tensor-model-parallel-size", str(lay["tp"]), "--pipeline-model-parallel-size", str(lay["pp"]),
-        "--num-layers-per-virtual-pipeline-stage", str(lay["lps"]),
         "--micro-batch-size", str(a.mbs), "--global-batch-size", str(lay["gbs"]),
         "--transformer-impl", impl,
         "--lr", "1.5e-4", "--min-lr", "1.5e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
@@ -102,28 +112,59 @@ def common_flags(a: argparse.Namespace, lay: dict, impl: str) -> list[str]:
     return flags + list(a.extra)
 
 
-def stock_group_sizes(a: argparse.Namespace, lay: dict) -> list[int]:
-    """Stock's micro-batch group sizes to try: the command line's, else P and 2P where 2P divides M."""
+def virtual_stage_flags(lay: dict) -> list[str]:
+    return ["--num-layers-per-virtual-pipeline-stage", str(lay["lps"])]
+
+
+def stock_group_sizes(a: argparse.Namespace, lay: dict, stock_vp: int) -> list[int]:
+    """Stock's micro-batch group sizes to try when it interleaves (none when it runs 1F1B, `stock_vp` = 1): the
+    command line's, else P and 2P where 2P divides M."""
+    if stock_vp == 1:
+        if a.stock_group_sizes != "auto":
+            raise SystemExit(f"error: --stock-group-sizes: stock runs 1F1B without virtual stages here (M = {lay['m']}, "
+                             f"P = {lay['pp']}, V = {lay['vp']}), which takes no group size")
+        return []
     if a.stock_group_sizes != "auto":
         return [int(g) for g in a.stock_group_sizes.split(",") if g.strip()]
     pp, m = lay["pp"], lay["m"]
     return [pp] + ([2 * pp] if 2 * pp <= m and m % (2 * pp) == 0 else [])
 
 
-def variants(a: argparse.Namespace, lay: dict) -> list[Variant]:
+def stock_variants(a: argparse.Namespace, lay: dict, stock_vp: int) -> list[Variant]:
+    """Stock Megatron at its best at this layout, with V = `stock_vp` stages per rank (the planner's
+    `stock_schedule`, which the command line resolves): interleaved 1F1B per group size with the distributed
+    optimizer and every overlap it has; where it cannot interleave (M < P), 1F1B without virtual stages."""
+    groups = stock_group_sizes(a, lay, stock_vp)
+    if stock_vp == 1 and lay["vp"] > 1:
+        return [Variant("stock", False, list(DIST_OPT),
+                        f"Megatron 1F1B without virtual stages (its interleaved schedule needs M >= P: M = {lay['m']}, "
+                        f"P = {lay['pp']}), distributed optimizer")]
+    if not groups:  # the layout itself has one stage per rank
+        return [Variant("stock", False, [*virtual_stage_flags(lay), *DIST_OPT], "Megatron 1F1B, distributed optimizer")]
+    return [Variant("stock" if len(groups) == 1 else f"stock-g{g}", False,
+                    [*virtual_stage_flags(lay), *DIST_OPT, *STOCK_INTERLEAVED,
+                     "--microbatch-group-size-per-virtual-pipeline-stage", str(g)],
+                    f"Megatron interleaved 1F1B, group size {g}, distributed optimizer")
+            for g in groups]
+
+
+def variants(a: argparse.Namespace, lay: dict, stock_vp: int) -> list[Variant]:
     """The variants of --variants in order (stock expanded per group size), with --add-variant's and each one's
-    --variant-flags."""
+    --variant-flags. Every variant but a stock one that cannot interleave runs the layout's virtual stages."""
     out: list[Variant] = []
-    groups = stock_group_sizes(a, lay)
+    vs = virtual_stage_flags(lay)
     table = {
-        "plugin-bf-distopt": Variant("plugin-bf-distopt", True, ["--pipeline-schedule", "breadth-first", *DIST_OPT],
+        "plugin-bf-distopt": Variant("plugin-bf-distopt", True,
+                                     [*vs, "--pipeline-schedule", "breadth-first", *DIST_OPT],
                                      "breadth-first, Megatron's distributed optimizer"),
-        "plugin-bf-zero3": Variant("plugin-bf-zero3", True, ["--pipeline-schedule", "breadth-first", "--zero-stage", "3"],
+        "plugin-bf-zero3": Variant("plugin-bf-zero3", True,
+                                   [*vs, "--pipeline-schedule", "breadth-first", "--zero-stage", "3"],
                                    "breadth-first, the plugin's ZeRO-3"),
-        "plugin-izb-distopt": Variant("plugin-izb-distopt", True, ["--pipeline-schedule", "interleaved-zb", *DIST_OPT],
+        "plugin-izb-distopt": Variant("plugin-izb-distopt", True,
+                                      [*vs, "--pipeline-schedule", "interleaved-zb", *DIST_OPT],
                                       "interleaved zero-bubble (split backward), Megatron's distributed optimizer"),
         "plugin-bfzb-zero3": Variant("plugin-bfzb-zero3", True,
-                                     ["--pipeline-schedule", "breadth-first-zb", "--zero-stage", "3"],
+                                     [*vs, "--pipeline-schedule", "breadth-first-zb", "--zero-stage", "3"],
                                      "breadth-first with W deferral (split backward), the plugin's ZeRO-3"),
     }
     for spec in a.add_variant:
@@ -131,13 +172,10 @@ def variants(a: argparse.Namespace, lay: dict) -> list[Variant]:
         kind, _, flags = rest.partition(":")
         if not name or kind not in ("stock", "plugin"):
             raise SystemExit(f"error: --add-variant {spec!r}: use NAME=stock:\"FLAGS\" or NAME=plugin:\"FLAGS\"")
-        table[name] = Variant(name, kind == "plugin", shlex.split(flags), f"added ({kind})")
+        table[name] = Variant(name, kind == "plugin", [*vs, *shlex.split(flags)], f"added ({kind})")
     for name in [v.strip() for v in a.variants.split(",") if v.strip()]:
         if name == "stock":
-            for g in groups:
-                out.append(Variant("stock" if len(groups) == 1 else f"stock-g{g}", False,
-                                   [*DIST_OPT, "--microbatch-group-size-per-virtual-pipeline-stage", str(g)],
-                                   f"Megatron interleaved 1F1B, group size {g}, distributed optimizer"))
+            out += stock_variants(a, lay, stock_vp)
         elif name in table:
             out.append(table[name])
         else:
