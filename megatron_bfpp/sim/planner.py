@@ -250,8 +250,9 @@ def enumerate_configs(model: ModelProfile, hw: Hardware, gpus: int, global_batch
                         groups = _group_sizes(sched, pp, m, space.search_group_size)
                         for zero in space.zero_stages:
                             # Stock tries Megatron's optimizer-step overlap where its check allows it.
-                            gather_options = (False, True) if (space.stock and KINDS[sched].virtual_stages
-                                                               and zero == 1 and space.dp_overlap) else (False,)
+                            gather_options = (False, True) if (space.stock and sched in STOCK_SCHEDULES
+                                                               and KINDS[sched].virtual_stages and zero == 1
+                                                               and space.dp_overlap) else (False,)
                             for rc in space.recompute:
                                 base = Config(tp, pp, vp, dp, b, m, sched, zero, rc, None,
                                               space.dp_overlap, space.p2p_overlap,
