@@ -92,7 +92,7 @@ class _Server:
     def __init__(self, index: int, preload: list[str], env: dict[str, str], path_prepend: list[str]) -> None:
         env = dict(env, PYTHONHASHSEED=str(index + 1))
         self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env, cwd="/")
+                                     env=env)
         self.to_server, self.from_server = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         _send(self.to_server, {"preload": preload, "path_prepend": path_prepend})
         reply = _recv(self.from_server, time.monotonic() + 600)
