@@ -16,7 +16,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.support.distributed import run_distributed
 
 H, B = 8, 2  # hidden size, samples per micro-batch
 LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.999), 1e-8
@@ -249,16 +248,26 @@ def _op(name):
     return Op(name)
 
 
-def _case_roundtrip(rank, dp, c):
-    """Two steps, save model + optimizer state_dicts, rebuild from scratch, load, third step."""
+def _rank_batch(rank: int, dp, c: dict, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This data-parallel rank's micro-batches of the global batch of `step`."""
+    return global_batch(dp.size() * c["m"], step)[rank * c["m"] : (rank + 1) * c["m"]]
+
+
+def _trained_two_steps(rank: int, dp, c: dict):
+    """The case's schedule, and a fp32 model and optimizer after two training steps (what the checkpoint cases
+    save): (schedule, chunks, driver, optimizer)."""
     from megatron_bfpp.schedule import make_schedule
 
-    d = dp.size()
     sched = make_schedule(c["sched"], 1, c["v"], c["m"], zero_stage=c["zero"])
     chunks, driver, opt = _build(c["v"], c["tied"], c["zero"], torch.float32, dp, c["align"])
     for step in range(2):
-        batch = global_batch(d * c["m"], step)[rank * c["m"] : (rank + 1) * c["m"]]
-        _train_step(chunks, driver, opt, sched, batch, torch.float32, dp)
+        _train_step(chunks, driver, opt, sched, _rank_batch(rank, dp, c, step), torch.float32, dp)
+    return sched, chunks, driver, opt
+
+
+def _case_roundtrip(rank, dp, c):
+    """Two steps, save model + optimizer state_dicts, rebuild from scratch, load, third step."""
+    sched, chunks, driver, opt = _trained_two_steps(rank, dp, c)
     buf = io.BytesIO()
     torch.save({"model": [ch.state_dict() for ch in chunks], "opt": opt.state_dict()}, buf)
     buf.seek(0)
@@ -267,28 +276,19 @@ def _case_roundtrip(rank, dp, c):
     for ch, sd in zip(chunks2, saved["model"]):
         ch.load_state_dict(sd)
     opt2.load_state_dict(saved["opt"])
-    batch = global_batch(d * c["m"], 2)[rank * c["m"] : (rank + 1) * c["m"]]
-    loss, _, _ = _train_step(chunks2, driver2, opt2, sched, batch, torch.float32, dp)
+    loss, _, _ = _train_step(chunks2, driver2, opt2, sched, _rank_batch(rank, dp, c, 2), torch.float32, dp)
     return {"loss": loss, "params": _full_params(chunks2)}
 
 
 def _case_ckpt_save(rank, dp, c):
     from megatron.core import dist_checkpointing
 
-    from megatron_bfpp.schedule import make_schedule
-
     _cpu_dist_checkpointing_shim()
-    d = dp.size()
-    sched = make_schedule(c["sched"], 1, c["v"], c["m"], zero_stage=c["zero"])
-    chunks, driver, opt = _build(c["v"], c["tied"], c["zero"], torch.float32, dp, c["align"])
-    for step in range(2):
-        batch = global_batch(d * c["m"], step)[rank * c["m"] : (rank + 1) * c["m"]]
-        _train_step(chunks, driver, opt, sched, batch, torch.float32, dp)
+    sched, chunks, driver, opt = _trained_two_steps(rank, dp, c)
     model_sd = _model_sharded_sd(chunks, _world())
     dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}, c["dir"])
     states, step = _optimizer_states(opt, chunks, dp), opt._step
-    batch = global_batch(d * c["m"], 2)[rank * c["m"] : (rank + 1) * c["m"]]
-    loss, _, _ = _train_step(chunks, driver, opt, sched, batch, torch.float32, dp)
+    loss, _, _ = _train_step(chunks, driver, opt, sched, _rank_batch(rank, dp, c, 2), torch.float32, dp)
     return {"states": states, "step": step, "loss": loss, "params": _full_params(chunks)}
 
 
@@ -298,7 +298,6 @@ def _case_ckpt_load(rank, dp, c):
     from megatron_bfpp.schedule import make_schedule
 
     _cpu_dist_checkpointing_shim()
-    d = dp.size()
     sched = make_schedule(c["sched"], 1, c["v"], c["m"], zero_stage=c["zero"])
     chunks, driver, opt = _build(c["v"], c["tied"], c["zero"], torch.float32, dp, c["align"], seed=5)
     model_sd = _model_sharded_sd(chunks, _world())
@@ -308,8 +307,7 @@ def _case_ckpt_load(rank, dp, c):
         ch.load_state_dict({k.removeprefix(f"stage{i}.module."): v for k, v in loaded["model"][f"chunk{i}"].items()})
     opt.load_state_dict(loaded["optimizer"])
     states, step = _optimizer_states(opt, chunks, dp), opt._step
-    batch = global_batch(d * c["m"], 2)[rank * c["m"] : (rank + 1) * c["m"]]
-    loss, _, _ = _train_step(chunks, driver, opt, sched, batch, torch.float32, dp)
+    loss, _, _ = _train_step(chunks, driver, opt, sched, _rank_batch(rank, dp, c, 2), torch.float32, dp)
     return {"states": states, "step": step, "loss": loss, "params": _full_params(chunks)}
 
 
