@@ -141,19 +141,22 @@ class Runner:
             servers.close()
         self.servers = {}
 
-    def _env(self, record: Path, extra_env: dict[str, str] | None) -> dict[str, str]:
+    @staticmethod
+    def _base_env() -> dict[str, str]:
+        """The session's environment without launcher or plugin variables, with the CPU shim's: what every rank
+        and every fork server starts from."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("BFPP_", "MASTER_", "TORCHELASTIC"))}
-        env.update(PYTHONPATH=subprocess_pythonpath(str(SHIM)), BFPP_PRETRAIN_RECORD=str(record), **RUN_ENV,
-                   **(extra_env or {}))
+        env.update(PYTHONPATH=subprocess_pythonpath(str(SHIM)), **RUN_ENV)
         return env
+
+    def _env(self, record: Path, extra_env: dict[str, str] | None) -> dict[str, str]:
+        return dict(self._base_env(), BFPP_PRETRAIN_RECORD=str(record), **(extra_env or {}))
 
     def _servers(self, mode: str) -> ForkServers:
         if mode not in self.servers:
             checkout = self.patched if mode == "patched" else self.original
             preload = MEGATRON_PRELOAD + ([] if mode == "stock" else PLUGIN_PRELOAD)
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("BFPP_", "MASTER_", "TORCHELASTIC"))}
-            env.update(PYTHONPATH=subprocess_pythonpath(str(SHIM)), **RUN_ENV)
-            self.servers[mode] = ForkServers(preload, env=env, path_prepend=[str(checkout)])
+            self.servers[mode] = ForkServers(preload, env=self._base_env(), path_prepend=[str(checkout)])
         return self.servers[mode]
 
     def run(self, mode: str, args: list[str], nproc: int = 2, expect_ok: bool = True, timeout: int = 240,
