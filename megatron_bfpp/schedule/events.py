@@ -37,7 +37,7 @@ class TimelineEvent:
 
 
 def stream_of(op: Op) -> Stream:
-    if op in COMPUTE_OPS:
+    if op in COMPUTE_OPS or op == Op.STEP:  # the optimizer step runs on the compute stream
         return "compute"
     if op in DP_OPS:
         return "dp"

@@ -23,6 +23,7 @@ class Op(str, enum.Enum):
     GATHER = "GATHER"  # all-gather a stage's parameters (ZeRO-3)
     RELEASE = "RELEASE"  # free the gathered copy of a stage's parameters
     REDUCE = "REDUCE"  # reduce-scatter a stage's gradients into the local shard
+    STEP = "STEP"  # optimizer step of a stage's parameter shard (at the step boundary, after the gradient norm)
 
     def __str__(self) -> str:
         return self.value
@@ -33,6 +34,7 @@ BACKWARD_OPS = frozenset({Op.B, Op.I, Op.W})  # ops that touch a stage's gradien
 INPUT_GRAD_OPS = frozenset({Op.B, Op.I})  # ops that produce the gradient of the stage input
 P2P_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
 DP_OPS = frozenset({Op.GATHER, Op.RELEASE, Op.REDUCE})
+STAGE_OPS = DP_OPS | {Op.STEP}  # actions on a whole stage: they carry no micro-batch
 
 
 def weight_ops(w_needs_weights: bool) -> frozenset[Op]:
@@ -74,9 +76,9 @@ class Action:
     def __post_init__(self) -> None:
         if not isinstance(self.op, Op):
             object.__setattr__(self, "op", Op(self.op))
-        if self.op in DP_OPS and self.microbatch is not None:
+        if self.op in STAGE_OPS and self.microbatch is not None:
             raise ScheduleError(f"{self.op} carries no microbatch (got {self.microbatch})")
-        if self.op not in DP_OPS and self.microbatch is None:
+        if self.op not in STAGE_OPS and self.microbatch is None:
             raise ScheduleError(f"{self.op} needs a microbatch")
         if self.op not in P2P_OPS and (self.batch is not None or self.channel is not None):
             raise ScheduleError(f"{self.op} is not a p2p action: it takes no batch or channel")
@@ -90,7 +92,7 @@ class Action:
 
     @property
     def text(self) -> str:
-        """Compact form: `F4:0` (op, stage, microbatch), `GATHER4` (data-parallel ops); p2p actions may add
+        """Compact form: `F4:0` (op, stage, microbatch), `GATHER4`, `STEP4` (whole-stage ops); p2p actions may add
         `@batch` and `/channel` (when not the op's default), e.g. `SEND_F0:1@3`."""
         base = f"{self.op.value}{self.stage}" if self.microbatch is None else f"{self.op.value}{self.stage}:{self.microbatch}"
         if self.batch is not None:
@@ -132,7 +134,7 @@ class Action:
 
 
 _ACTION_RE = re.compile(
-    r"(SEND_F|RECV_F|SEND_B|RECV_B|GATHER|RELEASE|REDUCE|F|B|I|W)(\d+)(?::(\d+))?(?:@(\d+))?(?:/([A-Za-z_][\w-]*))?"
+    r"(SEND_F|RECV_F|SEND_B|RECV_B|GATHER|RELEASE|REDUCE|STEP|F|B|I|W)(\d+)(?::(\d+))?(?:@(\d+))?(?:/([A-Za-z_][\w-]*))?"
 )
 
 
@@ -186,6 +188,15 @@ class Schedule:
         """(stage, micro-batch) pairs whose backward is split into I and W, on `rank` (default: all ranks)."""
         ranks = self.ranks if rank is None else [self.ranks[rank]]
         return {(a.stage, a.microbatch) for actions in ranks for a in actions if a.op == Op.I}
+
+    def step_boundary(self, rank: int) -> int | None:
+        """Index of the rank's first STEP: where the optimizer's part of the list begins (None: no STEP)."""
+        return next((i for i, a in enumerate(self.ranks[rank]) if a.op == Op.STEP), None)
+
+    def step_tail(self, rank: int) -> list[Action]:
+        """The rank's actions from its first STEP on (STEPs and the parameter all-gathers they launch)."""
+        i = self.step_boundary(rank)
+        return [] if i is None else self.ranks[rank][i:]
 
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.ranks[rank] if a.op in COMPUTE_OPS]

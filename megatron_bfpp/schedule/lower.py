@@ -12,6 +12,13 @@ Data parallel, over "runs" (maximal stretches of consecutive compute actions on 
   right after its last backward (B, or W for a split backward) of the accumulation group (the breadth-first group, otherwise the step), or
   earlier when its buffer must be handed to another stage.
 - ZeRO-1 keeps full gradients and reduce-scatters each stage once, right after its last backward of the step.
+
+Optimizer step (`add_optimizer_step`), at the end of each rank's list: one STEP per local stage, in the order
+the rank's list first uses its stages (the order the next iteration's forward needs them), each followed by
+the all-gather of the updated parameters it allows: every stage under ZeRO-1/2 (their resident parameters),
+the first stage under ZeRO-3 (the next iteration's first GATHER of it then finds it gathered). The gradient
+norm that clipping needs is the one synchronisation before the first STEP; the next forward waits for one
+stage's step and gather, not for the whole optimizer.
 """
 
 from __future__ import annotations
@@ -356,13 +363,46 @@ def _keep_batches_together(actions: list[Action]) -> list[Action]:
     return out + held
 
 
+def first_use_order(actions: list[Action]) -> list[int]:
+    """The stages of a rank's list in the order its compute actions first use them."""
+    order: list[int] = []
+    for a in actions:
+        if a.op in COMPUTE_OPS and a.stage not in order:
+            order.append(a.stage)
+    return order
+
+
+def add_optimizer_step(schedule: Schedule) -> Schedule:
+    """Append each rank's step boundary: STEP per stage in first-use order, each followed by the parameter
+    all-gather it allows (ZeRO-1/2: every stage; ZeRO-3: the first stage, which the next iteration's first
+    GATHER then finds gathered)."""
+    if schedule.zero_stage is None:
+        raise ScheduleError("the optimizer step is lowered after the data-parallel actions (--zero-stage)")
+    if schedule.forward_only:
+        raise ScheduleError("a forward-only schedule has no optimizer step")
+    if any(a.op == Op.STEP for acts in schedule.ranks for a in acts):
+        raise ScheduleError("schedule already has optimizer steps")
+    ranks = []
+    for acts in schedule.ranks:
+        tail: list[Action] = []
+        for k, s in enumerate(first_use_order(acts)):
+            tail.append(Action(Op.STEP, s))
+            if schedule.zero_stage in (1, 2) or k == 0:
+                tail.append(Action(Op.GATHER, s))
+        ranks.append(acts + tail)
+    return dataclasses.replace(schedule, ranks=ranks)
+
+
 def lower(
     schedule: Schedule, zero_stage: int | None = None, weight_buffers: int = 2, grad_buffers: int = 2,
-    w_needs_weights: bool = True, i_writes_grads: bool = False,
+    w_needs_weights: bool = True, i_writes_grads: bool = False, optimizer_step: bool = True,
 ) -> Schedule:
-    """p2p lowering, then (if `zero_stage` is given) data-parallel lowering."""
+    """p2p lowering, then (if `zero_stage` is given) data-parallel lowering and, unless forward-only or
+    `optimizer_step` is False (an optimizer outside the schedule, e.g. stock Megatron's), the step boundary."""
     lowered = add_p2p(schedule)
     if zero_stage is not None:
         lowered = add_data_parallel(lowered, zero_stage, weight_buffers, grad_buffers, w_needs_weights,
                                     i_writes_grads)
+        if optimizer_step and not lowered.forward_only:
+            lowered = add_optimizer_step(lowered)
     return lowered

@@ -42,6 +42,9 @@ class ScheduleSpec:
     w_needs_weights: bool = _setting("W needs weights", True, lowering=True)
     # True when an I writes its stage's gradient buffer: ZeRO-2/3 hold it from the first I.
     i_writes_grads: bool = _setting("I writes gradients", False, lowering=True)
+    # The optimizer step as STEP actions at the end of a training schedule with data-parallel actions (the
+    # plugin's sharded optimizer); False for an optimizer outside the schedule (stock Megatron's, simulated).
+    optimizer_step: bool = _setting("optimizer step", True, lowering=True)
 
     @property
     def schedule_kind(self) -> ScheduleKind:
@@ -66,7 +69,7 @@ class ScheduleSpec:
     def lower(self, order: Schedule) -> Schedule:
         """`order` (this spec's) with p2p actions, and data-parallel ones when `zero_stage` is set."""
         return lower(order, self.zero_stage, self.weight_buffers, self.grad_buffers, self.w_needs_weights,
-                     self.i_writes_grads)
+                     self.i_writes_grads, self.optimizer_step)
 
     def build(self, lowered: bool = True) -> Schedule:
         """The validated order, and with `lowered` its validated lowering (p2p, and data-parallel actions when

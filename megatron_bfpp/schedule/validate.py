@@ -169,8 +169,12 @@ def simulate_order(schedule: Schedule) -> list[tuple[int, int]]:
     """
     pcs = [0] * schedule.pp
     done: list[set[Action]] = [set() for _ in range(schedule.pp)]
-    gathered: list[set[int]] = [set() for _ in range(schedule.pp)]
-    zero3 = schedule.zero_stage == 3 or any(a.op == Op.GATHER for acts in schedule.ranks for a in acts)
+    zero3 = zero_stage_of(schedule) == 3
+    # ZeRO-3: stages the step boundary gathers stay gathered into the next iteration, whose first GATHER of
+    # them finds them so (steady state: the iteration starts as the previous one ended).
+    carried = [set(tail_gathers(schedule, r)) if zero3 else set() for r in range(schedule.pp)]
+    gathered: list[set[int]] = [set(c) for c in carried]
+    fresh = [set(c) for c in carried]  # carried and not released since: a GATHER of them is a no-op
     split = schedule.split_pairs()
     order: list[tuple[int, int]] = []
     total = sum(len(a) for a in schedule.ranks)
@@ -182,7 +186,11 @@ def simulate_order(schedule: Schedule) -> list[tuple[int, int]]:
                 a = schedule.ranks[r][pcs[r]]
                 if not all(dep in done[dr] for dr, dep in _deps(schedule, a, split)):
                     break
-                if a.op == Op.GATHER:
+                if a.op == Op.GATHER and not zero3:
+                    pass  # ZeRO-1/2: the step boundary's all-gather of resident parameters (check_step)
+                elif a.op == Op.GATHER and a.stage in fresh[r]:
+                    fresh[r].discard(a.stage)
+                elif a.op == Op.GATHER:
                     if a.stage in gathered[r]:
                         raise ScheduleError(f"rank {r} step {pcs[r]}: {a.text} but stage {a.stage} is already gathered")
                     if len(gathered[r]) >= schedule.weight_buffers:
@@ -195,6 +203,7 @@ def simulate_order(schedule: Schedule) -> list[tuple[int, int]]:
                     if a.stage not in gathered[r]:
                         raise ScheduleError(f"rank {r} step {pcs[r]}: {a.text} but stage {a.stage} is not gathered")
                     gathered[r].discard(a.stage)
+                    fresh[r].discard(a.stage)
                 elif a.op in schedule.weight_ops and zero3 and a.stage not in gathered[r]:
                     raise ScheduleError(
                         f"rank {r} step {pcs[r]}: {a.text} runs without its parameters gathered (ZeRO-3)"
@@ -213,9 +222,77 @@ def simulate_order(schedule: Schedule) -> list[tuple[int, int]]:
             ]
             raise ScheduleError("deadlock: " + "; ".join(blocked))
     for r in range(schedule.pp):
-        if zero3 and gathered[r]:
-            raise ScheduleError(f"rank {r}: stages {sorted(gathered[r])} still gathered at the end of the step")
+        if zero3 and gathered[r] != carried[r]:
+            raise ScheduleError(f"rank {r}: stages {sorted(gathered[r] - carried[r])} still gathered at the end of "
+                                "the step (only the step boundary's gathers carry into the next iteration)")
     return order
+
+
+def zero_stage_of(schedule: Schedule) -> int | None:
+    """The schedule's ZeRO stage, or for one loaded without it (a CSV file) what its actions imply: 3 when
+    parameters are gathered before the step boundary, 1 (or 2: alike in their actions) with REDUCEs alone."""
+    if schedule.zero_stage is not None:
+        return schedule.zero_stage
+    for r, acts in enumerate(schedule.ranks):
+        boundary = schedule.step_boundary(r)
+        if any(a.op == Op.GATHER for a in acts[:boundary]):
+            return 3
+    return 1 if any(a.op in (Op.REDUCE, Op.STEP) for acts in schedule.ranks for a in acts) else None
+
+
+def tail_gathers(schedule: Schedule, rank: int) -> list[int]:
+    """Stages the rank's step boundary all-gathers (after their STEP)."""
+    return [a.stage for a in schedule.step_tail(rank) if a.op == Op.GATHER]
+
+
+def check_step(schedule: Schedule) -> None:
+    """The step boundary: after a rank's first STEP come only STEPs and parameter all-gathers; one STEP per
+    local stage, after its REDUCE; each all-gather after its stage's STEP (ZeRO-1/2: one per stage; ZeRO-3: at
+    most `weight_buffers` stages, which stay gathered). No p2p action may follow: the gradient norm's all-reduce,
+    before the first STEP, meets every rank of the model, and under NCCL a peer waiting on a later send or
+    receive would never get there."""
+    zero = zero_stage_of(schedule)
+    has_step = any(a.op == Op.STEP for acts in schedule.ranks for a in acts)
+    if not has_step:
+        if zero in (1, 2) and any(a.op == Op.GATHER for acts in schedule.ranks for a in acts):
+            raise ScheduleError(f"ZeRO-{zero} schedule gathers parameters without an optimizer step")
+        return
+    if schedule.forward_only:
+        raise ScheduleError("a forward-only schedule has no STEP actions (the optimizer steps after training only)")
+    for r, acts in enumerate(schedule.ranks):
+        start = schedule.step_boundary(r)
+        assert start is not None
+        for i, a in enumerate(acts[:start]):
+            if a.op == Op.GATHER and zero != 3:
+                raise ScheduleError(f"rank {r} step {i}: {a.text} before the optimizer step (ZeRO-{zero} "
+                                    "parameters are resident: they are all-gathered after their STEP)")
+        stepped: list[int] = []
+        gathered: list[int] = []
+        for i, a in enumerate(acts[start:], start):
+            if a.op == Op.STEP:
+                if a.stage in stepped:
+                    raise ScheduleError(f"rank {r} step {i}: {a.text} appears twice")
+                reduce = [j for j, b in enumerate(acts[:start]) if b.op == Op.REDUCE and b.stage == a.stage]
+                if not reduce:
+                    raise ScheduleError(f"rank {r} step {i}: {a.text} has no REDUCE of its gradients before it")
+                stepped.append(a.stage)
+            elif a.op == Op.GATHER:
+                if a.stage not in stepped or a.stage in gathered:
+                    raise ScheduleError(f"rank {r} step {i}: {a.text} must follow STEP{a.stage} once (it all-gathers "
+                                        "the parameters that step updated)")
+                gathered.append(a.stage)
+            else:
+                raise ScheduleError(f"rank {r} step {i}: {a.text} after the optimizer step began (step {start}): only "
+                                    "STEP and GATHER may follow the gradient norm's all-reduce")
+        missing = sorted(set(schedule.stages_of(r)) - set(stepped))
+        if missing:
+            raise ScheduleError(f"rank {r}: no STEP for stages {missing}")
+        if zero in (1, 2) and sorted(gathered) != sorted(stepped):
+            raise ScheduleError(f"rank {r}: ZeRO-{zero} all-gathers every stage after its STEP; "
+                                f"stages {sorted(set(stepped) - set(gathered))} have none")
+        if zero == 3 and len(gathered) > schedule.weight_buffers:
+            raise ScheduleError(f"rank {r}: the step boundary gathers {len(gathered)} stages into the next iteration; "
+                                f"{schedule.weight_buffers} weight buffers")
 
 
 def check_batches(schedule: Schedule) -> None:
@@ -462,4 +539,5 @@ def validate(schedule: Schedule) -> Schedule:
         simulate_nccl(schedule, single_queue=False)
         simulate_nccl(schedule, single_queue=True)
     check_reduce(schedule)
+    check_step(schedule)
     return schedule

@@ -255,7 +255,8 @@ def check_against_schedule(
             raise ValueError(f"timeline has ranks {sorted(by_rank)} but the schedule has pp={schedule.pp}: "
                              "pass pp_rank_of (global rank -> pipeline rank)")
         pp_rank_of = {r: r for r in by_rank}
-    zero3 = any(a.op == Op.GATHER for acts in schedule.ranks for a in acts)
+    zero3 = schedule.zero_stage == 3 or (schedule.zero_stage is None
+                                         and any(a.op == Op.GATHER for acts in schedule.ranks for a in acts))
     for rank in sorted(by_rank):
         # Stable sort: a rank's zero-length actions recorded at one instant keep their recorded order.
         rev = sorted(by_rank[rank], key=lambda e: e.start)
