@@ -210,13 +210,17 @@ class ScheduleExecutor:
 
     def run(self) -> list:
         self.driver.start_step(self.forward_only)
+        # The step boundary (STEP and the all-gathers it allows) is carried out by the optimizer's step, after
+        # the gradient norm: the driver hands it over.
+        boundary = self.schedule.step_boundary(self.pp_rank)
+        body = self.actions if boundary is None else self.actions[:boundary]
         i = 0
-        while i < len(self.actions):
+        while i < len(body):
             action = self.actions[i]
             self.step = i
             if action.op in P2P_OPS:
                 end = i + 1
-                while action.batch is not None and end < len(self.actions) and self.actions[end].batch == action.batch:
+                while action.batch is not None and end < len(body) and self.actions[end].batch == action.batch:
                     end += 1
                 self._post(self.actions[i:end])
                 t = self.recorder.start() if self.recorder else None
@@ -233,12 +237,15 @@ class ScheduleExecutor:
                 if self.recorder:
                     self.recorder.stop(t, action)
             i += 1
-        self.step = len(self.actions)
+        self.step = len(body)
         self._reap_sends(block=True)
         t = self.recorder.start() if self.recorder else None
         self.driver.finish_step()
         if self.recorder and not self.forward_only:
             self.recorder.stop(t, Action(Op.REDUCE, self.schedule.stages_of(self.pp_rank)[0]), wait=True)
+        if boundary is not None:
+            self.driver.plan_step([(a, self.schedule.chunk_of(a.stage)) for a in self.actions[boundary:]],
+                                  self.recorder)
         if self.inputs or self.outputs or self.receives or self.pending_weight_grads:
             raise PipelineError(
                 f"rank {self.global_rank}: schedule {self.schedule.name} left {len(self.outputs)} activations, "

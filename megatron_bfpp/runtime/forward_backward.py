@@ -80,12 +80,14 @@ def _dp_group(pg_collection: Any) -> dist.ProcessGroup | None:
     return None
 
 
-def _make_driver(model: Sequence[torch.nn.Module], config: Any) -> tuple[DataParallelDriverProtocol, int]:
-    """Our sharded wrapper brings its own driver; anything else is driven through Megatron's config hooks."""
+def _make_driver(model: Sequence[torch.nn.Module], config: Any) -> tuple[DataParallelDriverProtocol, int, bool]:
+    """Our sharded wrapper brings its own driver, whose optimizer carries out the schedule's STEPs; anything else
+    is driven through Megatron's config hooks, and stepped by Megatron's optimizer. Returns (driver, ZeRO stage
+    to lower for, whether the schedule places the optimizer step)."""
     if isinstance(model[0], ShardedDataParallel):
         driver = ShardedDriver(list(model))
-        return driver, driver.zero_stage
-    return MegatronConfigDriver(model, config), 1
+        return driver, driver.zero_stage, True
+    return MegatronConfigDriver(model, config), 1, False
 
 
 def get_forward_backward_func(
@@ -154,14 +156,14 @@ def get_forward_backward_func(
             group = min(group, num_microbatches)  # evaluation and batch-size ramp-up run fewer micro-batches
         if not kind.takes_group_size:
             group = None
-        driver, zero = _make_driver(chunks, config)
+        driver, zero, steps_in_schedule = _make_driver(chunks, config)
         if forward_only:
             zero_for_schedule = 3 if zero == 3 else None  # ZeRO-3 still gathers; nothing to reduce
         else:
             zero_for_schedule = zero
         call = dataclasses.replace(
             spec, pp=pp, vp=vp, microbatches=num_microbatches, group_size=group, zero_stage=zero_for_schedule,
-            forward_only=bool(forward_only),
+            forward_only=bool(forward_only), optimizer_step=spec.optimizer_step and steps_in_schedule,
             # A W that only runs deferred weight GEMMs reads kept activations, not weights (ZeRO-3 may release
             # them after the stage's last I); on chunks split on the autograd graph it may read them.
             w_needs_weights=not (kind.split_backward and all(splits_by_deferral(c) for c in chunks)),

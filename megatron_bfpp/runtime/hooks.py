@@ -16,6 +16,9 @@ from typing import ContextManager, Protocol, Sequence
 
 import torch
 
+from ..schedule.ir import Action
+from .recorder import ActionRecorder
+
 
 class DataParallelDriverProtocol(Protocol):
     """What the runtime calls on a driver, at the points of the schedule named below."""
@@ -45,6 +48,10 @@ class DataParallelDriverProtocol(Protocol):
     def finish_step(self) -> None:
         """Called after the last action: wait for every outstanding collective of this schedule run."""
 
+    def plan_step(self, boundary: Sequence[tuple[Action, int]], recorder: ActionRecorder | None) -> None:
+        """The rank's step boundary, (action, chunk) in order (STEPs and the all-gathers after them), handed over
+        after `finish_step` of a training run: the optimizer's step carries it out, recording it on `recorder`."""
+
 
 class NullDriver:
     """No data parallelism handled by the runtime (D = 1, or gradients synchronised elsewhere)."""
@@ -57,6 +64,11 @@ class NullDriver:
     def input_grad(self, chunk: int) -> ContextManager[None]: return contextlib.nullcontext()
     def reduce(self, chunk: int) -> None: ...
     def finish_step(self) -> None: ...
+
+    def plan_step(self, boundary: Sequence[tuple[Action, int]], recorder: ActionRecorder | None) -> None:
+        if boundary:
+            raise ValueError("this schedule places optimizer steps, but no sharded optimizer (--zero-stage) "
+                             "carries them out")
 
 
 class MegatronConfigDriver(NullDriver):

@@ -258,6 +258,9 @@ class ShardedDataParallel(DistributedDataParallel):
         self.dp_size = comm.group_size(self.dp_group)
         self.dp_rank = comm.group_rank(self.dp_group)
         self.stats = RankStats()
+        # The step boundary the last training run of the schedule placed (driver.StepPlan), shared by the rank's
+        # chunks; the optimizer's next step carries it out.
+        self.step_plan: Any = None
         if self.zero_stage < 3:
             weight_buffers = None  # parameters are resident: nothing to bound
         if self.zero_stage < 2:

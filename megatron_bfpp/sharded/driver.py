@@ -9,7 +9,8 @@ full gradient and gathered weight buffers hold for the rank, not per chunk.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
 from .comm import RankStats
 from .ddp import BufferBudget, ShardedDataParallel
@@ -43,6 +44,26 @@ def link_budget(chunks: Sequence[ShardedDataParallel]) -> BufferBudget:
         for b in c.flat_buffers:
             b.pbuf.counter, b.gbuf.counter = shared.weights, shared.grads  # live counts were merged above
     return shared
+
+
+@dataclass
+class StepPlan:
+    """A rank's step boundary as the optimizer carries it out: ("step" | "gather", chunk, action to record as),
+    in the schedule's order, and the recorder of the run that placed it (None: not recording)."""
+
+    entries: list[tuple[str, int, Any]]
+    recorder: Any = None
+
+    @staticmethod
+    def default(chunks: Sequence[ShardedDataParallel]) -> "StepPlan":
+        """Without a schedule's plan (the optimizer used on its own): every chunk in order, each followed by the
+        all-gather of its updated resident parameters (ZeRO-1/2; ZeRO-3 gathers at the next GATHER)."""
+        entries: list[tuple[str, int, Any]] = []
+        for i, c in enumerate(chunks):
+            entries.append(("step", i, None))
+            if c.zero_stage != 3:
+                entries.append(("gather", i, None))
+        return StepPlan(entries)
 
 
 class ShardedDriver:
@@ -111,6 +132,16 @@ class ShardedDriver:
     def finish_step(self) -> None:
         for c in self.chunks:
             c.wait_all()
+
+    def plan_step(self, boundary: Sequence[tuple[Any, int]], recorder: Any = None) -> None:
+        """Hand the schedule's step boundary to the optimizer (through the chunks it shares with it)."""
+        entries = []
+        for a, chunk in boundary:
+            self._chunk(chunk)  # a schedule for another V is named here
+            entries.append(("step" if a.op == "STEP" else "gather", chunk, a))
+        plan = StepPlan(entries, recorder)
+        for c in self.chunks:
+            c.step_plan = plan
 
     # -- accounting ------------------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from . import comm
 from .checkpoint import load_megatron_state, loading_sharded_state_dict, saving_sharded_state_dict
 from .ddp import ShardedDataParallel, _Bucket, is_expert_parallel
-from .driver import link_stats, memory_stats
+from .driver import StepPlan, link_stats, memory_stats
 from .grad_scaler import ConstantGradScaler, make_grad_scaler
 
 _GROUP_KEYS_NOT_SAVED = ("params",)
@@ -38,6 +38,7 @@ class _Segment:
     """One parameter's part of this rank's shard (or a whole replicated parameter): what Adam updates."""
 
     param: torch.nn.Parameter
+    chunk: int  # index of the model chunk holding the parameter (what one STEP updates)
     main_param: torch.Tensor  # fp32
     grad: torch.Tensor  # fp32
     exp_avg: torch.Tensor
@@ -203,7 +204,7 @@ class ShardedOptimizer(MegatronOptimizer):
                     sl = slice(piece.shard_lo, piece.shard_hi)
                     _expose_main_param(p, st["main_param"][sl], sharded=True)
                     self._segments[group_of[p]].append(_Segment(
-                        p, st["main_param"][sl], b.gbuf.main_grad_shard[sl], st["exp_avg"][sl], st["exp_avg_sq"][sl],
+                        p, ci, st["main_param"][sl], b.gbuf.main_grad_shard[sl], st["exp_avg"][sl], st["exp_avg_sq"][sl],
                         counts_in_norm=not _is_tp_duplicate(p, self.tp_group, c.expt_tp_group),
                     ))
             for p in c.owned_replicated_params:
@@ -218,7 +219,7 @@ class ShardedOptimizer(MegatronOptimizer):
                 counts = (self.dp_rank == 0 and not getattr(p, "shared", False)
                           and not _is_tp_duplicate(p, self.tp_group))
                 self._segments[group_of[p]].append(_Segment(
-                    p, master.view(-1), p.main_grad.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1),
+                    p, ci, master.view(-1), p.main_grad.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1),
                     counts_in_norm=counts,
                 ))
 
@@ -302,45 +303,81 @@ class ShardedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
+        """Update every chunk from its (unscaled, clipped) gradients: the step boundary of the schedule's last
+        training run, in its order (STEP a chunk, all-gather its updated parameters, ...), or every chunk in
+        order without one."""
+        plan = self._take_step_plan()
         self._step += 1
+        for kind, chunk, action in plan.entries:
+            t = plan.recorder.start() if plan.recorder is not None and action is not None else None
+            if kind == "step":
+                self._step_chunk(chunk)
+            else:
+                self._gather_chunk(chunk)
+            if t is not None:
+                plan.recorder.stop(t, action)
+        return True
+
+    def _take_step_plan(self) -> StepPlan:
+        """The plan the schedule's last training run placed (used once), or the default order."""
+        plan = self.chunks[0].step_plan
+        for c in self.chunks:
+            c.step_plan = None
+        if plan is None:
+            return StepPlan.default(self.chunks)
+        stepped = sorted(chunk for kind, chunk, _ in plan.entries if kind == "step")
+        if stepped != list(range(len(self.chunks))):
+            raise ValueError(f"the schedule's step boundary steps model chunks {stepped} of {len(self.chunks)}: "
+                             "every chunk must be stepped once")
+        return plan
+
+    def _step_chunk(self, chunk: int) -> None:
+        """Adam on the chunk's part of every parameter group, then its shards written into the model (STEP)."""
         beta1 = getattr(self.config, "adam_beta1", 0.9)
         beta2 = getattr(self.config, "adam_beta2", 0.999)
         decoupled = bool(getattr(self.config, "decoupled_weight_decay", True))
         foreach = self.device.type == "cuda"
         for g, segs in zip(self.param_groups, self._segments):
-            segs = [s for s in segs if s.main_param.numel()]
+            segs = [s for s in segs if s.chunk == chunk and s.main_param.numel()]
             if not segs:
                 continue
             betas = g.get("betas", (beta1, beta2))
-            lr = g["lr"]
             functional_adam(
                 [s.main_param for s in segs], [s.grad for s in segs], [s.exp_avg for s in segs],
                 [s.exp_avg_sq for s in segs], [],
                 [torch.tensor(float(self._step - 1)) for _ in segs],  # functional Adam increments them
                 foreach=foreach, decoupled_weight_decay=decoupled, amsgrad=False,
-                beta1=betas[0], beta2=betas[1], lr=lr, weight_decay=g["weight_decay"],
+                beta1=betas[0], beta2=betas[1], lr=g["lr"], weight_decay=g["weight_decay"],
                 eps=g.get("eps", getattr(self.config, "adam_eps", 1e-8)), maximize=False,
             )
-        self._copy_main_params_to_model_params()
-        return True
+        self._copy_main_params_to_model_params(chunk)
 
-    def _copy_main_params_to_model_params(self) -> None:
-        for _, b, st in self._bucket_state:
-            if st["main_param"] is not b.pbuf.shard:
+    def _gather_chunk(self, chunk: int) -> None:
+        """All-gather the chunk's updated parameters (GATHER after its STEP): ZeRO-1/2 into the resident buffers
+        (waited for by its next forward under --overlap-param-gather, here otherwise); ZeRO-3 into a gathered
+        copy kept for the next iteration's first GATHER of it."""
+        c = self.chunks[chunk]
+        if c.zero_stage == 3:
+            c.start_param_gather()
+        else:
+            c.start_param_sync()
+
+    def _copy_main_params_to_model_params(self, chunk: int) -> None:
+        c = self.chunks[chunk]
+        for ci, b, st in self._bucket_state:
+            if ci == chunk and st["main_param"] is not b.pbuf.shard:
                 b.pbuf.shard.copy_(st["main_param"])
-        for c in self.chunks:
-            for p in c.owned_replicated_params:
-                master = self._param_loc[p][1]["main_param"]
-                if master is not p.data:
-                    p.data.copy_(master)
-            c.on_shards_updated()
-            if c.zero_stage != 3:  # ZeRO-3 gathers at the next GATHER
-                c.start_param_sync()
+        for p in c.owned_replicated_params:
+            master = self._param_loc[p][1]["main_param"]
+            if master is not p.data:
+                p.data.copy_(master)
+        c.on_shards_updated()
 
     @torch.no_grad()
     def step(self):
         found_inf = self.prepare_grads()
         if found_inf:
+            self._take_step_plan()  # a skipped step carries nothing out
             return False, None, None
         grad_norm = self.clip_grad_norm(getattr(self.config, "clip_grad", 0.0))
         num_zeros = self.count_zeros() if getattr(self.config, "log_num_zeros_in_grad", False) else None
@@ -390,7 +427,10 @@ class ShardedOptimizer(MegatronOptimizer):
                 self.grad_scaler.load_state_dict(scaler)
         else:
             self._load_local_state(state_dict)
-        self._copy_main_params_to_model_params()
+        for chunk, c in enumerate(self.chunks):
+            self._copy_main_params_to_model_params(chunk)
+            if c.zero_stage != 3:  # ZeRO-3 gathers at the next GATHER
+                c.start_param_sync()
 
     def _load_local_state(self, sd: dict) -> None:
         if sd.get("format") != "bfpp-sharded-adam":

@@ -76,7 +76,8 @@ def test_live_buffers_within_bounds(reports, run):
             assert m["weight_buffers_limit"] == WEIGHT_BUFFERS, where
             assert 1 <= m["max_weight_buffers"] <= WEIGHT_BUFFERS, \
                 f"{where}: {m['max_weight_buffers']} gathered weight buffers"
-            assert m["live_weight_buffers"] == 0, f"{where}: gathered weights left after the step"
+            # The step boundary gathers the first stage for the next iteration's first forward; nothing else.
+            assert m["live_weight_buffers"] == 1, f"{where}: {m['live_weight_buffers']} gathered after the step"
         else:
             assert m["weight_buffers_limit"] is None and m["live_weight_buffers"] == V, where  # resident
 

@@ -88,9 +88,9 @@ def _megatron_worker(rank: int, world: int, runs) -> list:
             make_driver = fb_module._make_driver
 
             def recording_make_driver(model_, config_):
-                driver, zero = make_driver(model_, config_)
-                drivers.append(driver)
-                return driver, zero
+                made = make_driver(model_, config_)
+                drivers.append(made[0])
+                return made
 
             fb_module._make_driver = recording_make_driver
             iterators = make_microbatch_iterators(seq_length=SEQ, vocab_size=VOCAB, global_batch_size=GBS,

@@ -51,7 +51,7 @@ HOST_DATA = {
     ("train/model.py", "init_value", ("zeros", "ones", "empty")):
         "initial values are drawn from the CPU generator (identical whatever the layout and device), then "
         "copied to each parameter's device",
-    ("sharded/optimizer.py", "step_with_ready_grads", ("tensor",)):
+    ("sharded/optimizer.py", "_step_chunk", ("tensor",)):
         "torch's functional Adam (capturable=False) takes its step counts as CPU scalars",
     ("train/data.py", "causal_mask", ("ones",)):
         "the data loader's attention mask is host data like its batches (as Megatron's loader); "
