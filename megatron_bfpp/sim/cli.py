@@ -72,6 +72,10 @@ def simulate_parser() -> argparse.ArgumentParser:
                    help="0 = DDP all-reduce, 1 = distributed optimizer, 2, 3 = sharded gradients / weights "
                         "(default 1)")
     p.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    p.add_argument("--stock-optimizer", action="store_true",
+                   help="stock Megatron's optimizer, outside the schedule: the step waits for the whole optimizer "
+                        "(default: the plugin's, stepping stage by stage at the step boundary; implied by "
+                        "--overlap-param-gather-with-optimizer-step)")
     p.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
                    help="Megatron's flag (interleaved-1f1b, --zero-stage 1): the first chunk's parameter all-gather "
                         "runs during the other chunks' optimizer steps")
@@ -159,7 +163,8 @@ def config_from_args(args: argparse.Namespace, model: ModelProfile) -> Config:
                   _on_off(args.dp_overlap), _on_off(args.p2p_overlap), args.weight_buffers, args.grad_buffers,
                   w_reruns_input_grad=args.split_backward_w == "rerun-dgrad",
                   w_at_input_grad=args.split_backward_w == "at-i", split=split,
-                  param_gather_with_optimizer=args.overlap_param_gather_with_optimizer_step)
+                  param_gather_with_optimizer=args.overlap_param_gather_with_optimizer_step,
+                  stock_optimizer=args.stock_optimizer)
 
 
 def _split(args: argparse.Namespace) -> StageSplit:
@@ -198,7 +203,8 @@ def _simulate(argv: list[str] | None) -> int:
     rows = [("step time", f"{pred.step_time_s:.4f} s"), ("TFLOP/s per GPU", f"{pred.tflops_per_gpu:.1f}"),
             ("MFU", f"{pred.mfu:.1%}"), ("bubble (of compute)", f"{pred.bubble_fraction:.1%}"),
             ("exposed p2p", f"{pred.exposed_pp_s:.4f} s"), ("exposed dp", f"{pred.exposed_dp_s:.4f} s"),
-            ("optimizer", f"{pred.optimizer_s:.4f} s"),
+            ("optimizer", f"{pred.optimizer_s:.4f} s, {pred.optimizer_exposed_s:.4f} s exposed"
+                          + (" (stage by stage at the step boundary)" if cfg.optimizer_in_schedule else "")),
             ("peak memory", f"{pred.peak_memory_gib:.1f} GiB ({'fits' if pred.fits else 'does NOT fit'} in "
                             f"{hw.usable_memory_bytes / 2**30:.1f} GiB usable)")]
     rows += [(f"  {k}", f"{v:.2f} GiB") for k, v in pred.memory_gib.items() if k != "total"]

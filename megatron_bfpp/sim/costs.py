@@ -203,6 +203,11 @@ class Costs:
     reduce: list[float]  # reduce-scatter (ZeRO >= 1) or all-reduce (ZeRO-0) of stage s's gradients
     param_sync: list[float]  # ZeRO-1/2: post-optimizer all-gather of stage s's parameters (0 otherwise)
     optimizer: list[float]  # per pipeline rank
+    # Per stage: its STEP (the optimizer step of its parameter shard), in schedules that place the optimizer;
+    # default: each rank's `optimizer` split evenly over its stages (stage s on rank s % P).
+    step: list[float] = field(default_factory=list)
+    # The gradient norm's all-reduce (clipping) before the first STEP of every rank: latency only.
+    grad_norm: float = 0.0
     reduce_buckets: list[int] = field(default_factory=list)  # >1: reduce overlaps the stage's last backward
     param_sync_buckets: list[int] = field(default_factory=list)  # >1: first forward starts after one bucket
     # Per rank: how long before the step starts its first stage's post-optimizer all-gather is issued (Megatron's
@@ -223,11 +228,15 @@ class Costs:
             self.input_grad_share = [0.5] * n
         if not self.param_sync_lead:
             self.param_sync_lead = [0.0] * len(self.optimizer)
+        pp = len(self.optimizer)
+        if not self.step and pp:
+            per_rank = [sum(1 for s in range(n) if s % pp == r) for r in range(pp)]
+            self.step = [self.optimizer[s % pp] / per_rank[s % pp] for s in range(n)]
         if len(self.param_sync_lead) != len(self.optimizer):
             raise ValueError(f"Costs.param_sync_lead has {len(self.param_sync_lead)} entries for "
                              f"{len(self.optimizer)} ranks")
         for name in ("backward", "send_forward", "send_backward", "gather", "reduce", "param_sync",
-                     "reduce_buckets", "param_sync_buckets", "input_grad_share"):
+                     "reduce_buckets", "param_sync_buckets", "input_grad_share", "step"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Costs.{name} has {len(getattr(self, name))} entries for {n} stages")
 
@@ -238,10 +247,12 @@ class Costs:
     @staticmethod
     def uniform(num_stages: int, pp: int, t_forward: float, t_backward: float, t_send: float = 0.0,
                 t_gather: float = 0.0, t_reduce: float = 0.0, t_param_sync: float = 0.0,
-                t_optimizer: float = 0.0, dp_overlap: bool = True, p2p_overlap: bool = True) -> "Costs":
+                t_optimizer: float = 0.0, dp_overlap: bool = True, p2p_overlap: bool = True,
+                t_grad_norm: float = 0.0) -> "Costs":
+        """Every stage alike; `t_optimizer` is a rank's whole optimizer step, each STEP its share (1/V)."""
         n = num_stages
         return Costs([t_forward] * n, [t_backward] * n, [t_send] * n, [t_send] * n, [t_gather] * n,
-                     [t_reduce] * n, [t_param_sync] * n, [t_optimizer] * pp,
+                     [t_reduce] * n, [t_param_sync] * n, [t_optimizer] * pp, grad_norm=t_grad_norm,
                      dp_overlap=dp_overlap, p2p_overlap=p2p_overlap)
 
     @staticmethod
@@ -253,7 +264,9 @@ class Costs:
                           stage_grad_bytes: float | list[float] | None = None) -> "Costs":
         """Costs from measured per-stage F/B seconds and measured bandwidths (bytes/s, as a flat ring reaches
         them over the D data-parallel ranks). `stage_param_bytes` are the bytes each stage's parameters
-        occupy as gathered, `stage_grad_bytes` as reduced (default: fp32 gradients of bf16 weights, twice)."""
+        occupy as gathered, `stage_grad_bytes` as reduced (default: fp32 gradients of bf16 weights, twice).
+        `optimizer` is a rank's whole optimizer step; each stage's STEP takes the share of its parameters, and the
+        gradient norm's all-reduce costs `collective_latency`."""
         def per_stage(v: float | list[float]) -> list[float]:
             return list(v) if isinstance(v, list) else [float(v)] * num_stages
 
@@ -267,9 +280,13 @@ class Costs:
         grad = [lat + frac * g / reduce_bandwidth for g in gbytes]
         if zero_stage == 0:
             grad = [2 * g for g in grad]
+        rank_bytes = [sum(wbytes[s] for s in range(r, num_stages, pp)) for r in range(pp)]
+        step = [optimizer * wbytes[s] / rank_bytes[s % pp] if rank_bytes[s % pp] > 0
+                else optimizer * pp / num_stages for s in range(num_stages)]
         return Costs(fwd, bwd, list(send), list(send), ag if zero_stage == 3 else [0.0] * num_stages, grad,
-                     ag if zero_stage in (1, 2) else [0.0] * num_stages, [optimizer] * pp,
-                     dp_overlap=dp_overlap, p2p_overlap=p2p_overlap)
+                     ag if zero_stage in (1, 2) else [0.0] * num_stages, [optimizer] * pp, step=step,
+                     grad_norm=collective_latency if dp * pp > 1 else 0.0, dp_overlap=dp_overlap,
+                     p2p_overlap=p2p_overlap)
 
 
 def unit_costs(schedule: Schedule, t_forward: float = 1.0, t_backward: float = 2.0) -> Costs:
@@ -304,6 +321,15 @@ class Config:
     # Megatron's --overlap-param-gather-with-optimizer-step (its interleaved schedule with the distributed
     # optimizer): the first chunk's optimizer steps first and its all-gather runs during the other chunks' steps.
     param_gather_with_optimizer: bool = False
+    # The optimizer is stock Megatron's, outside the schedule (its schedules and every Megatron baseline): the
+    # step waits for the whole optimizer. Otherwise the schedule places it (STEP per stage at the step boundary).
+    stock_optimizer: bool = False
+
+    @property
+    def optimizer_in_schedule(self) -> bool:
+        """Whether the schedule carries the optimizer step (STEP actions): not for stock Megatron's optimizer,
+        which --overlap-param-gather-with-optimizer-step also implies."""
+        return not (self.stock_optimizer or self.param_gather_with_optimizer)
 
     def partition(self, model: ModelProfile) -> Partition:
         """The model cut into this configuration's stages."""
@@ -372,8 +398,13 @@ def analytic_costs(hw: Hardware, part: Partition, cfg: Config) -> Costs:
         # The first chunk (stage r) steps first, in time proportional to its parameters; its all-gather starts
         # then, while the other chunks step and the slowest rank finishes: that long before the next step.
         lead = [max(opt) - opt[r] * part.stage_params(r) / part.rank_params(r) for r in range(pp)]
-    return Costs(fwd, bwd, sf, sb, ag, red, sync, opt, reduce_buckets=rb, param_sync_buckets=sbk,
-                 param_sync_lead=lead, input_grad_share=share, dp_overlap=cfg.dp_overlap,
+    # A schedule-placed step: each stage's STEP takes the rank's optimizer time in proportion to its parameters.
+    step = [opt[s % pp] * part.stage_params(s) / part.rank_params(s % pp) for s in range(n_stages)]
+    # The gradient norm (clipping): one scalar all-reduce over every rank, modelled as latency alone, the
+    # fixed cost of one collective.
+    grad_norm = hw.collective_overhead_s if cfg.num_gpus > 1 else 0.0
+    return Costs(fwd, bwd, sf, sb, ag, red, sync, opt, step=step, grad_norm=grad_norm, reduce_buckets=rb,
+                 param_sync_buckets=sbk, param_sync_lead=lead, input_grad_share=share, dp_overlap=cfg.dp_overlap,
                  p2p_overlap=cfg.p2p_overlap)
 
 

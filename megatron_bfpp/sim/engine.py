@@ -18,14 +18,29 @@ Each pipeline rank runs its action list in order on three streams:
   (Megatron-LM 2022) every collective holds the compute stream, and ZeRO-0/1 gradient reductions run after
   the last backward of the rank, as Megatron did then.
 End of step: all ranks meet after their compute and outstanding REDUCEs (the optimizer needs every gradient
-and a global gradient norm), run the optimizer (slowest rank), and with ZeRO-1/2 and `dp_overlap` off
-all-gather the updated parameters; with `dp_overlap` on that all-gather overlaps the next step's forward,
-which the simulation models in steady state by issuing it at the start of the step (the first stage's
+and a global gradient norm). Then, for a schedule without STEP actions (an optimizer outside the schedule:
+stock Megatron's), they run the optimizer (slowest rank), and with ZeRO-1/2 and `dp_overlap` off all-gather
+the updated parameters; with `dp_overlap` on that all-gather overlaps the next step's forward, which the
+simulation models in steady state by issuing it at the start of the step (the first stage's
 `Costs.param_sync_lead` earlier: Megatron's --overlap-param-gather-with-optimizer-step).
+
+Schedule-placed optimizer step (STEP actions, `Schedule.step_tail`): the step ends at the meeting point plus
+the gradient norm's all-reduce (`Costs.grad_norm`, latency only), and the rank's tail runs in steady state at
+the start of the next step, in list order: each STEP s on the compute stream (`Costs.step[s]`), each tail
+GATHER s on the dp stream once its STEP ended (ZeRO-1/2: `Costs.param_sync[s]`, waited for by the stage's
+first F as the post-optimizer all-gather above; ZeRO-3: `Costs.gather[s]`, after which the stage is gathered
+and the body's first GATHER of it is a no-op). A ZeRO-3 GATHER of the body also waits for its stage's STEP
+(it gathers the updated shards). So the next forward waits for its first stage's step and all-gather, the
+rank's other STEPs overlap that all-gather, and on later ranks they fall in the pipeline fill.
 
 Time accounting per rank: every instant of the step is compute, bubble (waiting for another rank's compute),
 exposed p2p (waiting on a transfer or blocked by a send), exposed dp (waiting on a collective or a buffer) or
-optimizer. A wait is charged to the dependency that ends it; a wait on a receive counts as bubble until the
+optimizer (`optimizer_rank_s`: the whole optimizer for every rank without STEPs; with them, the rank's STEP
+time and the gradient norm). Of the latter, `optimizer_exposed_s` is what delays the rank: without STEPs all
+of it; with them the gradient norm and how much later the rank's first computation starts than it would with
+free STEPs (its input and parameters otherwise ready no earlier); the rest (`optimizer_hidden_s`) ran while
+the rank waited anyway. A wait on a later stage's tail all-gather counts as exposed dp.
+A wait is charged to the dependency that ends it; a wait on a receive counts as bubble until the
 producing compute ended and as p2p after. At the end of the step, idling until the last rank's compute ends
 is bubble, and the time outstanding reductions add after that is exposed dp. `bubble_fraction` is bubble / compute (the (P-1)/(V*M) convention).
 """
@@ -46,10 +61,24 @@ class EngineResult:
     bubble_s: list[float]
     exposed_pp_s: list[float]
     exposed_dp_s: list[float]
-    optimizer_s: float
+    optimizer_s: float  # the slowest rank's optimizer work (its STEPs together, or the outside optimizer)
     pipeline_end_s: float  # when the last compute of the step ended
     dp_traffic: dict[str, list[int]]  # per rank: number of "gather" / "reduce" / "param_sync" collectives
     events: list[TimelineEvent] = field(default_factory=list)
+    # Per rank: optimizer time of its step accounting (compute + bubble + p2p + dp + this = step time) and the
+    # part of it the rank waits for (module docstring); the gradient norm's all-reduce (0 without STEPs).
+    optimizer_rank_s: list[float] = field(default_factory=list)
+    optimizer_exposed_s: list[float] = field(default_factory=list)
+    grad_norm_s: float = 0.0
+
+    @property
+    def optimizer_hidden_s(self) -> list[float]:
+        """Per rank: optimizer time that ran while the rank would have waited anyway (STEPs in the fill)."""
+        return [t - e for t, e in zip(self.optimizer_rank_s, self.optimizer_exposed_s)]
+
+    @property
+    def max_optimizer_exposed_s(self) -> float:
+        return max(self.optimizer_exposed_s, default=0.0)
 
     @property
     def bubble_fraction(self) -> float:
@@ -77,7 +106,7 @@ class _Rank:
 
     __slots__ = ("r", "pc", "compute_free", "lane_free", "dp_free", "acct", "gather_end", "wbuf_free",
                  "gbuf_free", "grad_resident", "last_end", "last_b", "sync", "first_use_done", "deferred",
-                 "counts", "compute_busy")
+                 "counts", "compute_busy", "step_end", "fresh", "step_busy", "cf", "exposed", "started")
 
     def __init__(self, r: int, weight_buffers: int, grad_buffers: int) -> None:
         self.r = r
@@ -97,6 +126,14 @@ class _Rank:
         self.deferred: list[Action] = []
         self.counts = {"gather": 0, "reduce": 0, "param_sync": 0}
         self.compute_busy = 0.0
+        self.step_end: dict[int, float] = {}  # stage -> end of its STEP (the tail, at the start of the step)
+        self.fresh: set[int] = set()  # ZeRO-3: gathered by the tail, not released since
+        self.step_busy = 0.0
+        # The tail with free STEPs (compute stream, and per stage its parameters' readiness): the reference for
+        # how much the STEPs delay the rank's first computation.
+        self.cf: dict = {"compute": 0.0, "dp": 0.0, "sync": {}, "gather_end": {}}
+        self.exposed = 0.0
+        self.started = False
 
 
 def _lowered(schedule: Schedule) -> Schedule:
@@ -137,9 +174,18 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                 ev(st.r, stream, f"wait {name}", "WAIT", stage, mb, st.compute_free, until)
             st.compute_free = until
 
-    # Post-optimizer parameter all-gather (ZeRO-1/2), overlapped with the forward: issued at step start in the
-    # order the rank first uses its stages; the first one `param_sync_lead` earlier (during the optimizer step).
-    if dp_on and sched.zero_stage in (1, 2, None):
+    # Schedule-placed optimizer step: each rank's list ends with its step boundary (STEPs and the all-gathers
+    # they allow), which runs at the start of the next step; the body is what comes before it.
+    has_step = any(a.op is Op.STEP for acts in sched.ranks for a in acts)
+    body_end = []
+    for r in range(pp):
+        b = sched.step_boundary(r) if has_step else None
+        body_end.append(len(sched.ranks[r]) if b is None else b)
+
+    # Optimizer outside the schedule: the post-optimizer parameter all-gather (ZeRO-1/2), overlapped with the
+    # forward, issued at step start in the order the rank first uses its stages; the first one
+    # `param_sync_lead` earlier (during the optimizer step).
+    if not has_step and dp_on and sched.zero_stage in (1, 2, None):
         for st in ranks:
             order: list[int] = []
             for a in sched.ranks[st.r]:
@@ -154,6 +200,50 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                     st.counts["param_sync"] += 1
                     if rec:
                         ev(st.r, "dp", f"GATHER{s}", "GATHER", s, None, t0, t0 + d)
+
+    def run_tail(st: _Rank) -> None:
+        """The previous step's boundary, at the start of this one: STEPs on the compute stream in list order,
+        each tail GATHER on the dp stream after its STEP; alongside, the same tail with free STEPs (`st.cf`)."""
+        cf = st.cf
+        for a in sched.ranks[st.r][body_end[st.r]:]:
+            s = a.stage
+            if a.op is Op.STEP:
+                d = costs.step[s]
+                t0 = st.compute_free
+                st.compute_free = st.step_end[s] = t0 + d
+                st.step_busy += d
+                if rec:
+                    ev(st.r, "compute", a.text, "STEP", s, None, t0, t0 + d)
+            elif a.op is Op.GATHER:
+                d = costs.gather[s] if zero == 3 else costs.param_sync[s]
+                if zero != 3 and d <= 0:
+                    continue  # nothing to gather (ZeRO-0's all-reduced parameters)
+                t0, c0 = max(st.dp_free, st.step_end.get(s, 0.0)), cf["dp"]
+                if zero == 3:
+                    st.wbuf_free.sort()
+                    t0 = max(t0, st.wbuf_free.pop(0) if st.wbuf_free else 0.0)
+                if not dp_on:
+                    t0, c0 = max(t0, st.compute_free), max(c0, cf["compute"])
+                t1, c1 = t0 + d, c0 + d
+                st.dp_free, cf["dp"] = t1, c1
+                if zero == 3:
+                    st.gather_end[s], cf["gather_end"][s] = t1, c1
+                    st.fresh.add(s)
+                    st.counts["gather"] += 1
+                else:
+                    st.sync[s], cf["sync"][s] = (t0, t1), (c0, c1)
+                    st.counts["param_sync"] += 1
+                if rec:
+                    ev(st.r, "dp", a.text, "GATHER", s, None, t0, t1)
+                if not dp_on:
+                    stall(st, t1, _DP, "dp", a.text, s, None)
+                    cf["compute"] = c1
+            else:
+                raise ScheduleError(f"rank {st.r}: {a.text} after the optimizer step began")
+
+    if has_step:
+        for st in ranks:
+            run_tail(st)
 
     def do_reduce(st: _Rank, a: Action, blocking: bool) -> None:
         s = a.stage
@@ -182,7 +272,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
         """Advance one rank as far as its dependencies allow; True if anything ran."""
         acts = sched.ranks[st.r]
         progressed = False
-        while st.pc < len(acts):
+        while st.pc < body_end[st.r]:
             a = acts[st.pc]
             op, s, m = a.op, a.stage, a.microbatch
             if op in COMPUTE_OPS:
@@ -192,18 +282,22 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                 needs_input = op is not Op.W  # a W needs only its own I, run before it on this rank
                 start = st.compute_free
                 why, why_t, split, wname = -1, start, 0.0, ""
+                input_t = 0.0
                 # input from another rank
                 if pp > 1 and needs_input and ((is_f and s > 0) or (not is_f and s < last_stage)):
                     key = (0, s - 1, m) if is_f else (1, s + 1, m)
                     x = sent[key]  # the RECV before this compute guaranteed it exists
+                    input_t = x[1]
                     if x[1] > why_t:
                         why, why_t, split = _PP, x[1], x[2]
                         wname = ("RECV_F" if is_f else "RECV_B") + f"{s}:{m}"
                 # parameters
                 end_floor = 0.0
                 uses_weights = op in sched.weight_ops
+                cf_params = 0.0  # when they would be ready with free STEPs (the rank's first computation)
                 if zero == 3 and uses_weights:
                     g = st.gather_end.get(s, 0.0)
+                    cf_params = st.cf["gather_end"].get(s, 0.0)
                     if g > why_t:
                         why, why_t, wname = _DP, g, f"GATHER{s}"
                 elif s in st.sync and s not in st.first_use_done:
@@ -211,9 +305,15 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                     nb = max(1, costs.param_sync_buckets[s])
                     ready = t0 + (t1 - t0) / nb
                     end_floor = t1 + dur / nb
+                    if s in st.cf["sync"]:
+                        c0, c1 = st.cf["sync"][s]
+                        cf_params = c0 + (c1 - c0) / nb
                     if ready > why_t:
                         why, why_t, wname = _DP, ready, f"GATHER{s}"
                 st.first_use_done.add(s)
+                if has_step and not st.started:  # how much later the STEPs let the rank start computing
+                    st.started = True
+                    st.exposed = max(0.0, max(st.compute_free, why_t) - max(st.cf["compute"], input_t, cf_params))
                 # gradient buffer (ZeRO-2/3)
                 if op in sched.grad_write_ops and zero is not None and zero >= 2 and s not in st.grad_resident:
                     st.grad_resident.add(s)
@@ -266,22 +366,30 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                     return progressed  # the producing rank has not reached its send yet
                 if rec:
                     ev(st.r, "p2p", a.key, op.value, s, m, x[0], x[1])
+            elif op is Op.GATHER and s in st.fresh:
+                st.fresh.discard(s)  # gathered by the step boundary (the tail): nothing to do
             elif op is Op.GATHER:
                 d = costs.gather[s]
                 st.wbuf_free.sort()
                 buf = st.wbuf_free.pop(0) if st.wbuf_free else 0.0
-                t0 = max(st.dp_free, buf)
+                t0 = max(st.dp_free, buf, st.step_end.get(s, 0.0))  # it gathers the shards its STEP updated
                 if not dp_on:
                     t0 = max(t0, st.compute_free)
                 t1 = t0 + d
                 st.dp_free = t1
                 st.gather_end[s] = t1
                 st.counts["gather"] += 1
+                if has_step and not st.started:  # before the first computation: follow it with free STEPs too
+                    c0 = st.cf["dp"] if dp_on else max(st.cf["dp"], st.cf["compute"])
+                    st.cf["dp"] = st.cf["gather_end"][s] = c0 + d
+                    if not dp_on:
+                        st.cf["compute"] = c0 + d
                 if rec:
                     ev(st.r, "dp", a.text, "GATHER", s, None, t0, t1)
                 if not dp_on:
                     stall(st, t1, _DP, "dp", a.text, s, None)
             elif op is Op.RELEASE:
+                st.fresh.discard(s)
                 t = st.last_end.get(s, 0.0)
                 st.wbuf_free.append(t)
                 if rec:
@@ -307,7 +415,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
             st = ranks[r]
             if step_rank(st):
                 moved = True
-            if st.pc >= len(sched.ranks[r]):
+            if st.pc >= body_end[r]:
                 remaining.discard(r)
         if not moved and remaining:
             blocked = "; ".join(f"rank {r} at {sched.ranks[r][ranks[r].pc].text}" for r in sorted(remaining))
@@ -317,11 +425,21 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
     compute_ends = [st.compute_free for st in ranks]
     pipeline_end = max(compute_ends)
     sync_point = max(max(st.compute_free, st.dp_free) for st in ranks)
-    opt = max(costs.optimizer)
     post_sync = 0.0
-    if not dp_on:
-        post_sync = max(sum(costs.param_sync[s] for s in sched.stages_of(r)) for r in range(pp))
-    step = sync_point + opt + post_sync
+    if has_step:  # the gradient norm, then the next step (whose start ran this step's tail)
+        opt = max(st.step_busy for st in ranks)
+        norm = costs.grad_norm
+        step = sync_point + norm
+        opt_rank = [st.step_busy + norm for st in ranks]
+        opt_exposed = [st.exposed + norm for st in ranks]
+    else:
+        opt = max(costs.optimizer)
+        norm = 0.0
+        if not dp_on:
+            post_sync = max(sum(costs.param_sync[s] for s in sched.stages_of(r)) for r in range(pp))
+        step = sync_point + opt + post_sync
+        opt_rank = [opt] * pp
+        opt_exposed = [opt] * pp
     for st in ranks:
         # Until the last rank's compute ends a rank is draining the pipeline (its own outstanding reductions
         # are hidden behind that); what the reductions add after it is exposed data-parallel time.
@@ -333,7 +451,10 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                 ev(st.r, "compute", "idle", "IDLE", None, None, ce, pipeline_end)
             if sync_point > max(ce, pipeline_end):
                 ev(st.r, "dp", "wait REDUCE", "WAIT", None, None, max(ce, pipeline_end), sync_point)
-            if opt > 0:
+            if has_step:
+                if norm > 0:
+                    ev(st.r, "compute", "grad norm", "OPTIMIZER", None, None, sync_point, step)
+            elif opt > 0:
                 ev(st.r, "compute", "OPTIMIZER", "OPTIMIZER", None, None, sync_point,
                    sync_point + costs.optimizer[st.r])
             if post_sync > 0:
@@ -348,4 +469,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
         pipeline_end_s=pipeline_end,
         dp_traffic={k: [st.counts[k] for st in ranks] for k in ("gather", "reduce", "param_sync")},
         events=events,
+        optimizer_rank_s=opt_rank,
+        optimizer_exposed_s=opt_exposed,
+        grad_norm_s=norm,
     )

@@ -48,6 +48,9 @@ class SearchSpace:
     # Stock Megatron (`stock_space`): its interleaved configurations are also tried with the parameter gather
     # overlapped with the optimizer step.
     stock: bool = False
+    # The optimizer is stock Megatron's, outside the schedule (`Config.stock_optimizer`): `stock_space` and the
+    # benchmarks' other Megatron baselines.
+    stock_optimizer: bool = False
 
 
 def stock_space(space: SearchSpace = SearchSpace()) -> SearchSpace:
@@ -64,7 +67,8 @@ def stock_space(space: SearchSpace = SearchSpace()) -> SearchSpace:
         raise ValueError(f"stock Megatron at its best uses its distributed optimizer (ZeRO-{STOCK_ZERO_STAGE}), "
                          f"not among the ZeRO stages searched ({', '.join(map(str, space.zero_stages))})")
     return dataclasses.replace(space, schedules=schedules, zero_stages=(STOCK_ZERO_STAGE,), dp_overlap=True,
-                               p2p_overlap=True, w_reruns_input_grad=False, w_at_input_grad=False, stock=True)
+                               p2p_overlap=True, w_reruns_input_grad=False, w_at_input_grad=False, stock=True,
+                               stock_optimizer=True)
 
 
 STOCK = stock_space()
@@ -196,9 +200,12 @@ class _Bounds:
         upstream = sum(part.layer_counts[: cfg.pp - 1])
         fill_drain = upstream * (lf if cfg.split_backward else per_layer)
         chain = self.model.num_layers * (lf + li + rc) + hf + hi  # one micro-batch through every stage
-        phi = max(part.rank_params(r) for r in range(cfg.pp))
-        shard = phi if cfg.zero_stage == 0 else phi / cfg.dp
-        opt = ADAM_BYTES_PER_PARAM * shard / (self.hw.hbm_bandwidth * self.hw.memory_efficiency)
+        if not cfg.optimizer_in_schedule:  # the step waits for the whole optimizer
+            phi = max(part.rank_params(r) for r in range(cfg.pp))
+            shard = phi if cfg.zero_stage == 0 else phi / cfg.dp
+            opt = ADAM_BYTES_PER_PARAM * shard / (self.hw.hbm_bandwidth * self.hw.memory_efficiency)
+        else:  # STEPs may hide behind other work: only the computation is certain
+            opt = 0.0
         return max(work[-1] + fill_drain, max(work), chain) + opt
 
     def static_memory(self, cfg: Config, part: Partition) -> float:
@@ -257,7 +264,8 @@ def enumerate_configs(model: ModelProfile, hw: Hardware, gpus: int, global_batch
                                 base = Config(tp, pp, vp, dp, b, m, sched, zero, rc, None,
                                               space.dp_overlap, space.p2p_overlap,
                                               w_reruns_input_grad=space.w_reruns_input_grad,
-                                              w_at_input_grad=space.w_at_input_grad, split=space.split)
+                                              w_at_input_grad=space.w_at_input_grad, split=space.split,
+                                              stock_optimizer=space.stock or space.stock_optimizer)
                                 if m > space.max_microbatches:
                                     bad.append((base, f"M={m} micro-batches per step exceeds the search limit "
                                                       f"{space.max_microbatches}; a larger micro-batch size covers it"))

@@ -64,6 +64,9 @@ def schedule_spec(cfg: Config) -> ScheduleSpec:
         # fusion into main_grad: ZeRO-2/3 then hold a stage's gradient buffer from its first I, as the runtime
         # does.
         i_writes_grads=cfg.split_backward and cfg.w_at_input_grad,
+        # The plugin's optimizer steps stage by stage at the step boundary (STEP actions); stock Megatron's
+        # runs outside the schedule.
+        optimizer_step=cfg.optimizer_in_schedule,
     ).resolved()
 
 
@@ -92,7 +95,7 @@ class Prediction:
     bubble_fraction: float
     exposed_dp_s: float
     exposed_pp_s: float
-    optimizer_s: float
+    optimizer_s: float  # the slowest rank's optimizer work (the step waits for all of it without STEPs)
     compute_s: float  # mean F/B busy time per rank
     peak_memory_gib: float
     memory_gib: dict[str, float]  # categories of the rank with the highest peak
@@ -102,6 +105,9 @@ class Prediction:
     # Split-backward schedules: per rank, the most (stage, micro-batch) whose I ran and W did not yet (0 with
     # fused backwards); their bytes are in the activations of `memory_gib`.
     peak_pending_weight_grads: list[int] = field(default_factory=list)
+    # Of the optimizer (and gradient norm), what the step waits for: the most over ranks (`EngineResult`);
+    # equal to `optimizer_s` when the optimizer is outside the schedule.
+    optimizer_exposed_s: float = 0.0
     events: list[TimelineEvent] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -134,6 +140,7 @@ def config_dict(cfg: Config) -> dict:
         "account_for_embedding_in_pipeline_split": cfg.split.account_for_embedding,
         "account_for_loss_in_pipeline_split": cfg.split.account_for_loss,
         "overlap_param_gather_with_optimizer_step": cfg.param_gather_with_optimizer,
+        "optimizer_in_schedule": cfg.optimizer_in_schedule,
     }
 
 
@@ -217,7 +224,8 @@ def _prediction(model: ModelProfile, hw: Hardware, cfg: Config, sched: Schedule,
     per_rank = [
         {"rank": r, "compute_s": res.compute_s[r], "bubble_s": res.bubble_s[r], "exposed_pp_s": res.exposed_pp_s[r],
          "exposed_dp_s": res.exposed_dp_s[r], "bubble_fraction": res.bubble_fraction_per_rank[r],
-         "peak_memory_gib": mem[r]["total"] / GIB, "peak_pending_weight_grads": pending[r]}
+         "peak_memory_gib": mem[r]["total"] / GIB, "peak_pending_weight_grads": pending[r],
+         "optimizer_s": res.optimizer_rank_s[r], "optimizer_exposed_s": res.optimizer_exposed_s[r]}
         for r in range(pp)
     ]
     return Prediction(
@@ -236,6 +244,7 @@ def _prediction(model: ModelProfile, hw: Hardware, cfg: Config, sched: Schedule,
         per_rank=per_rank,
         dp_collectives=res.dp_traffic,
         peak_pending_weight_grads=pending,
+        optimizer_exposed_s=res.max_optimizer_exposed_s,
         events=res.events,
     )
 

@@ -2,7 +2,9 @@
 
 One row per (rank, stream): compute, pipeline p2p and data-parallel work each get their own row, so the
 communication is visible next to the compute it feeds. Compute is coloured by micro-batch; forwards are
-plain, backwards darker and hatched. Blocking waits are light red; GATHER / REDUCE / RELEASE are greys.
+plain, backwards darker and hatched. Blocking waits are light red; GATHER / REDUCE / RELEASE are greys; the
+optimizer (a stage's STEP at the step boundary, or the whole OPTIMIZER outside the schedule) is olive on the
+compute row.
 Several timelines (e.g. simulated and measured) can be stacked one above the other.
 """
 
@@ -28,6 +30,7 @@ DP_COLOURS = {"GATHER": "#525252", "REDUCE": "#111111", "RELEASE": "#bdbdbd"}
 DP_LABELS = {"GATHER": "G", "REDUCE": "RS", "RELEASE": "rel"}
 P2P_COLOUR = "#7f7f7f"
 OTHER_COMPUTE_COLOUR = "#c7b299"
+OPTIMIZER_COLOUR = "#8c8c3c"  # STEP (per stage) and OPTIMIZER: optimizer time, not F/B compute
 
 
 @dataclass
@@ -82,7 +85,13 @@ def bar_style(e: TimelineEvent, colour_of: dict) -> tuple[dict, float, str | Non
         hatch = {"F": None, "B": "///", "I": "\\\\", "W": ".."}[e.op]
         kw.update(color=c if e.op == "F" else _darker(c), hatch=hatch)
         return kw, 0.8, f"{e.stage}:{e.microbatch}"
-    if e.stream == "compute":  # other work on the compute track, e.g. the optimizer step
+    if e.op == "STEP":
+        kw.update(color=OPTIMIZER_COLOUR, hatch="--")
+        return kw, 0.8, f"S{e.stage}"
+    if e.op == "OPTIMIZER":
+        kw.update(color=OPTIMIZER_COLOUR)
+        return kw, 0.8, e.name
+    if e.stream == "compute":  # other work on the compute track
         kw.update(color=OTHER_COMPUTE_COLOUR)
         return kw, 0.8, e.name
     if e.op in DP_COLOURS:
@@ -121,7 +130,8 @@ def _draw_panel(ax, panel: Panel, normalize: bool, axes_px: float, dpi: float, f
         ax.barh(y, width, left=left, height=height, **kw)
         if label and _label_fits(label, (e.end - e.start), span, axes_px, fontsize - 1, dpi):
             ax.text(left + width / 2, y, label, ha="center", va="center", fontsize=fontsize - 1,
-                    color="white" if e.op in ("B", "GATHER", "REDUCE") else "black", clip_on=True)
+                    color="white" if e.op in ("B", "GATHER", "REDUCE", "STEP", "OPTIMIZER") else "black",
+                    clip_on=True)
 
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"rank {r} {STREAM_LABELS[s]}" for r, s in rows], fontsize=fontsize + 1)
@@ -148,6 +158,8 @@ def _legend_handles(ops: set[str], n_microbatches: int) -> list[Patch]:
         ("B", Patch(facecolor=_darker(grey), edgecolor="white", hatch="///", label="backward B (darker, hatched)")),
         ("WAIT", Patch(facecolor=WAIT_COLOUR, edgecolor="#c0392b", hatch="xx", label="blocking wait")),
         ("p2p", Patch(facecolor=P2P_COLOUR, label="send / receive (thin)")),
+        ("STEP", Patch(facecolor=OPTIMIZER_COLOUR, edgecolor="white", hatch="--", label="optimizer step of a stage (S)")),
+        ("OPTIMIZER", Patch(facecolor=OPTIMIZER_COLOUR, label="optimizer / gradient norm")),
     ] + [(op, Patch(facecolor=c, label=f"{op} ({DP_LABELS[op]})")) for op, c in DP_COLOURS.items()]
     p2p = any(op.startswith(("SEND", "RECV")) for op in ops)
     handles = [h for k, h in kinds if k in ops or (k == "p2p" and p2p)]

@@ -7,8 +7,9 @@ pass each rank's own window instead) is split into disjoint parts, so that
     compute + bubble + exposed p2p + exposed dp + optimizer + other = step time
 
 (the simulator's accounting). Each instant of the window goes to the first that applies:
-- compute: a compute event (F, B; only the computation: the runtime records its waits apart);
-- optimizer: an OPTIMIZER event;
+- compute: a compute event (F, B, I, W; only the computation: the runtime records its waits apart);
+- optimizer: an OPTIMIZER event, or a STEP (a stage's optimizer step, which the schedule places at the step
+  boundary: recorded on the compute stream by the optimizer, but optimizer time, neither compute nor bubble);
 - exposed dp: a WAIT on the "dp" stream (parameter all-gather, gradient buffer, final reduce);
 - bubble / exposed p2p: a WAIT on the "p2p" stream. A receive's wait names the sending rank; the part before
   that rank posted the matching send is bubble (the input did not exist yet), the rest exposed p2p (the
@@ -28,9 +29,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable, Mapping
 
 from ..schedule import COMPUTE_OPS, Op, Schedule
+from ..schedule.validate import tail_gathers
 from ..schedule.events import TimelineEvent
 
 _COMPUTE = {op.value for op in COMPUTE_OPS}
+_OPTIMIZER = {"OPTIMIZER", Op.STEP.value}  # the optimizer outside the schedule, and the schedule's STEPs
 
 
 @dataclass
@@ -43,7 +46,7 @@ class RankMetrics:
     exposed_p2p_wait_s: float
     span_s: float  # this rank's own first start .. last end
     bubble_s: float = 0.0
-    optimizer_s: float = 0.0
+    optimizer_s: float = 0.0  # OPTIMIZER and STEP time
     other_s: float = 0.0
 
     def to_dict(self) -> dict:
@@ -79,6 +82,10 @@ class IterationMetrics:
     def exposed_p2p_wait_s(self) -> float:
         return _mean(r.exposed_p2p_wait_s for r in self.ranks)
 
+    @property
+    def optimizer_s(self) -> float:
+        return _mean(r.optimizer_s for r in self.ranks)
+
     def to_dict(self) -> dict:
         """The "measured" block of a trainer's --report-json (peak memory is added by the trainer per rank)."""
         return {
@@ -87,6 +94,7 @@ class IterationMetrics:
             "bubble": self.bubble,
             "exposed_dp_wait_s": self.exposed_dp_wait_s,
             "exposed_p2p_wait_s": self.exposed_p2p_wait_s,
+            "optimizer_s": self.optimizer_s,
             "consistent": self.consistent,
             "overlaps": list(self.overlaps),
             "per_rank": [r.to_dict() for r in self.ranks],
@@ -159,7 +167,7 @@ def _parts(rev: list[TimelineEvent], w0: float, w1: float, posted: dict[tuple[in
     """Split [w0, w1] into the disjoint parts of the module docstring."""
     intervals: list[tuple[float, float, str]] = []
     for e in rev:
-        if e.op == "OPTIMIZER":
+        if e.op in _OPTIMIZER:
             intervals.append((e.start, e.end, "optimizer"))
         elif e.op == "IDLE":
             intervals.append((e.start, e.end, "bubble"))
@@ -240,10 +248,14 @@ def check_against_schedule(
 ) -> list[str]:
     """Problems of a recorded iteration against the schedule it ran; an empty list means it ran as scheduled.
 
-    Checks per rank: the compute events are exactly the schedule's F/B actions in the schedule's order; with
-    GATHER actions (ZeRO-3), every compute on a stage starts after a GATHER of that stage with no RELEASE of
-    it in between; the compute track has no overlap. `pp_rank_of` maps a global rank to its pipeline rank
-    (needed when there is data parallelism; identity otherwise).
+    Checks per rank: the compute events are exactly the schedule's F/B actions in the schedule's order (STEP
+    events, the optimizer's, are not computation: they are checked apart, each stage's STEP once and none between
+    two computations of the rank: after the last, as the runtime records the step boundary, or before the
+    first, as the simulator lays out the previous iteration's in steady state); with GATHER actions (ZeRO-3), every compute on a stage starts after a GATHER of
+    that stage with no RELEASE of it in between, a stage the step boundary gathers counting as gathered from
+    the iteration's start (steady state: the previous iteration's boundary gathered it, and the first GATHER of
+    it is a no-op the runtime may not record); the compute track has no overlap. `pp_rank_of` maps a global
+    rank to its pipeline rank (needed when there is data parallelism; identity otherwise).
     """
     iteration, evs = select_iteration(events, iteration)
     problems = compute_overlaps(evs)
@@ -270,8 +282,21 @@ def check_against_schedule(
                 f"{len(want)}; first difference at position {k}: ran {got[k] if k < len(got) else 'nothing'}, "
                 f"scheduled {want[k] if k < len(want) else 'nothing'}"
             )
+        steps = [e for e in rev if e.op == Op.STEP.value]
+        if steps:
+            want_steps = sorted(a.stage for a in schedule.step_tail(pr) if a.op == Op.STEP)
+            comp = [e for e in rev if e.stream == "compute" and e.op in _COMPUTE]
+            first = min((e.start for e in comp), default=float("inf"))
+            last = max((e.end for e in comp), default=float("-inf"))
+            if sorted(e.stage for e in steps) != want_steps:  # type: ignore[type-var]
+                problems.append(f"rank {rank} (pipeline rank {pr}) iteration {iteration}: STEP events for stages "
+                                f"{sorted(e.stage for e in steps)}, the schedule steps {want_steps}")  # type: ignore[type-var]
+            for e in steps:
+                if e.end > first and e.start < last:
+                    problems.append(f"rank {rank} iteration {iteration}: {e.name} at {e.start:.9g} runs between the "
+                                    "rank's computations (the optimizer steps at the step boundary)")
         if zero3:
-            gathered: set[int] = set()
+            gathered = set(tail_gathers(schedule, pr))
             for e in rev:
                 if e.op == Op.GATHER.value:
                     gathered.add(e.stage)  # type: ignore[arg-type]

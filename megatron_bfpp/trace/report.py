@@ -172,6 +172,7 @@ ROWS: tuple[Row, ...] = (
     Row("bubble", _measured("bubble"), fmt_percent),
     Row("exposed dp wait", _measured("exposed_dp_wait_s"), fmt_seconds),
     Row("exposed p2p wait", _measured("exposed_p2p_wait_s"), fmt_seconds),
+    Row("optimizer (STEPs)", _measured("optimizer_s"), fmt_seconds),
     Row("peak memory", peak_memory, fmt_bytes),
     Row("final loss", final_loss, lambda v: f"{v:.4f}"),
     Row("predicted throughput (tokens/s)", lambda r: _num(_get(r, "predicted", "tokens_per_s")),
@@ -182,6 +183,9 @@ ROWS: tuple[Row, ...] = (
     Row("predicted bubble / compute", lambda r: _num(_get(r, "predicted", "bubble_fraction")), fmt_percent),
     Row("predicted exposed dp", lambda r: _num(_get(r, "predicted", "exposed_dp_s")), fmt_seconds),
     Row("predicted exposed p2p", lambda r: _num(_get(r, "predicted", "exposed_pp_s")), fmt_seconds),
+    Row("predicted optimizer", lambda r: _num(_get(r, "predicted", "optimizer_s")), fmt_seconds),
+    # What of the optimizer the step waits for (the rest hides behind the first stage's all-gather and the fill).
+    Row("predicted optimizer exposed", lambda r: _num(_get(r, "predicted", "optimizer_exposed_s")), fmt_seconds),
     Row("predicted TFLOP/s per GPU", lambda r: _num(_get(r, "predicted", "tflops_per_gpu")), lambda v: f"{v:.1f}"),
     Row("predicted peak memory", lambda r: _peak_of(r.get("predicted")), fmt_bytes),
 )

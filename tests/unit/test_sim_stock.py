@@ -87,7 +87,7 @@ def test_param_gather_with_optimizer_step_waits_for_one_chunk() -> None:
     """Megatron's --overlap-param-gather-with-optimizer-step: the first chunk's all-gather starts during the other
     chunks' optimizer steps, so the first forward waits only for what is left of it; the other chunks' gathers
     follow from the step's start."""
-    sched = ScheduleSpec("interleaved-1f1b", 2, 2, 4, zero_stage=1).build()
+    sched = ScheduleSpec("interleaved-1f1b", 2, 2, 4, zero_stage=1, optimizer_step=False).build()  # stock's optimizer
     gather, lead = 3.0, 2.0
 
     def first_forward_start(lead_s: float) -> tuple[float, float]:
