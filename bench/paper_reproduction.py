@@ -4,6 +4,8 @@ throughput per GPU against batch size per GPU, each method at its best planned c
 Methods (each searched by `megatron_bfpp.sim.plan` over T, P, V, D, b, group size and recomputation):
 - breadth-first + ZeRO-3 (this package: schedule-placed gathers / reduce-scatters, overlapped);
 - non-looped 1F1B (Megatron's default schedule, DDP or distributed optimizer, overlapped);
+  (these Megatron baselines step with Megatron's optimizer, outside the schedule: `stock_optimizer`; ours step
+  stage by stage at the step boundary, the schedule's STEP actions)
 - Megatron-LM as in 2022: interleaved 1F1B with its default group size P, DDP or distributed optimizer,
   data-parallel communication not overlapped with compute and blocking p2p;
 - Megatron today: stock Megatron-Core at its best (`bfpp plan --stock`, `megatron_bfpp.sim.planner.STOCK`, the
@@ -39,10 +41,10 @@ METHODS: dict[str, tuple[str, SearchSpace]] = {
     "bf_zero3": ("breadth-first + ZeRO-3",
                  SearchSpace(schedules=("breadth-first",), zero_stages=(3,))),
     "1f1b": ("non-looped 1F1B",
-             SearchSpace(schedules=("1f1b",), zero_stages=(0, 1))),
+             SearchSpace(schedules=("1f1b",), zero_stages=(0, 1), stock_optimizer=True)),
     "megatron_2022": ("Megatron 2022 (interleaved, no overlap)",
                       SearchSpace(schedules=("interleaved-1f1b",), zero_stages=(0, 1), dp_overlap=False,
-                                  p2p_overlap=False, search_group_size=False)),
+                                  p2p_overlap=False, search_group_size=False, stock_optimizer=True)),
     "megatron_today": ("Megatron today (stock at its best: bfpp plan --stock)", STOCK),
     "bf_zb": ("breadth-first-zb", SearchSpace(schedules=("breadth-first-zb",), zero_stages=(1, 2, 3))),
     "interleaved_zb": ("interleaved-zb", SearchSpace(schedules=("interleaved-zb",), zero_stages=(1, 2, 3))),

@@ -4,7 +4,8 @@ the simulator, over batch per GPU (52B GPT on 512 A100 by default: 1/32 ... 1 se
 Ours is `bfpp plan` without restriction (`SearchSpace()`: every schedule this package runs, ZeRO-0..3); stock is
 `bfpp plan --stock` (`megatron_bfpp.sim.planner.STOCK`: 1F1B at V = 1, interleaved 1F1B at V >= 2 with a group
 size in [P, M], so only 1F1B at M < P; the distributed optimizer with every overlap it has). Writes a CSV and the
-markdown table (README.md and docs/simulator.md quote it) and prints the table.
+markdown table (README.md and docs/simulator.md quote it) and prints the table; the CSV adds each plan's step,
+compute and optimizer seconds (the optimizer's work and what of it the step waits for).
 
 Run: python bench/regime_table.py [--gpus 512] [--batch-per-gpu 1/32 1/16 ...]
 """
@@ -32,7 +33,8 @@ FIELDS = ["batch_per_gpu", "global_batch_size", "stock_can_interleave", "ratio"]
         "schedule", "tensor_model_parallel_size", "pipeline_model_parallel_size",
         "virtual_pipeline_model_parallel_size", "data_parallel_size", "micro_batch_size", "num_micro_batches",
         "microbatch_group_size_per_vp_stage", "zero_stage", "recompute", "overlap_param_gather_with_optimizer_step",
-        "tflops_per_gpu", "peak_memory_gib")] + ["stock_at_ours_layout"]
+        "tflops_per_gpu", "peak_memory_gib", "step_time_s", "compute_s", "optimizer_s", "optimizer_exposed_s",
+        "optimizer_in_schedule")] + ["stock_at_ours_layout"]
 
 
 def regime_rows(model: ModelProfile, hw: Hardware, gpus: int, betas: list[Fraction]) -> list[dict]:
@@ -52,7 +54,10 @@ def regime_rows(model: ModelProfile, hw: Hardware, gpus: int, betas: list[Fracti
                 row.update({f"{side}_{k}": v for k, v in d["config"].items() if f"{side}_{k}" in FIELDS})
                 row.update({f"{side}_schedule": d["config"]["pipeline_schedule"],
                             f"{side}_tflops_per_gpu": d["tflops_per_gpu"],
-                            f"{side}_peak_memory_gib": d["peak_memory_gib"]})
+                            f"{side}_peak_memory_gib": d["peak_memory_gib"],
+                            # the optimizer: ours steps stage by stage in the schedule (mostly hidden), stock after it
+                            **{f"{side}_{k}": d[k] for k in ("step_time_s", "compute_s", "optimizer_s",
+                                                             "optimizer_exposed_s")}})
             print(f"  beta={beta} {side}: "
                   f"{f'{best[side].tflops_per_gpu:.1f} TFLOP/s' if best[side] else 'nothing fits'}", file=sys.stderr)
         ours, stock = best["ours"], best["stock"]
