@@ -267,7 +267,7 @@ def _schedule_from_parts(header: dict, ranks: dict[int, list[Action]]) -> Schedu
         ranks=[ranks[r] for r in range(len(ranks))],
         zero_stage=_opt_int(header.get("zero_stage")),
         lowered=bool(int(header.get("lowered", int(bool(ops & P2P_OPS))))),
-        forward_only=bool(int(header.get("forward_only", int(Op.B not in ops)))),
+        forward_only=bool(int(header.get("forward_only", int(not ops & BACKWARD_OPS)))),
         weight_buffers=int(header.get("weight_buffers", 2)),
         grad_buffers=int(header.get("grad_buffers", 2)),
         w_needs_weights=str(header.get("w_needs_weights", 1)).lower() not in ("0", "false"),

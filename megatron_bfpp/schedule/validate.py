@@ -531,6 +531,7 @@ def validate(schedule: Schedule) -> Schedule:
     check_compute(schedule)
     check_p2p(schedule)
     check_batches(schedule)
+    check_step(schedule)
     if not schedule.lowered and schedule.pp > 1:
         # Dependencies of an unlowered schedule: its compute order must complete with data dependencies alone.
         simulate_order(_compute_only_lowering(schedule))
@@ -539,5 +540,4 @@ def validate(schedule: Schedule) -> Schedule:
         simulate_nccl(schedule, single_queue=False)
         simulate_nccl(schedule, single_queue=True)
     check_reduce(schedule)
-    check_step(schedule)
     return schedule

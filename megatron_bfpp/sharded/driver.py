@@ -166,6 +166,8 @@ def memory_stats(chunks: Sequence[ShardedDataParallel], optimizer=None) -> dict[
             out[k] += v
     if optimizer is not None:
         out["optimizer_bytes"] = optimizer.state_bytes()
-    out["peak_gathered_param_bytes"] = link_stats(chunks).peak_gathered_param_bytes
+    stats = link_stats(chunks)
+    out["peak_gathered_param_bytes"] = stats.peak_gathered_param_bytes
+    out["gathered_param_bytes"] = stats.gathered_param_bytes  # in param_bytes: full buffers allocated now
     out.update(chunks[0].budget.stats())
     return out

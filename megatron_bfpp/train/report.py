@@ -44,7 +44,9 @@ def memory_stats(model: Sequence[ShardedDataParallel], optimizer: ShardedOptimiz
         mem["peak_bytes"] = torch.cuda.max_memory_allocated()
     else:  # what the runtime holds: resident model state, gathered weights and gradients, saved activations
         full_grads = mem["peak_full_grad_bytes"] if zero_stage >= 2 else 0  # ZeRO-1: in grad_bytes
-        mem["peak_bytes"] = int(mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_bytes"]
+        # (the full buffers gathered now are part of the step's peak of gathered ones: counted once)
+        mem["peak_bytes"] = int(mem["param_bytes"] - mem["gathered_param_bytes"] + mem["grad_bytes"]
+                                + mem["optimizer_bytes"]
                                 + mem["peak_gathered_param_bytes"] + full_grads + mem["peak_activation_bytes"])
     return mem
 

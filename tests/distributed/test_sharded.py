@@ -127,8 +127,24 @@ def _megatron_rule_groups(chunks, lr) -> list[dict]:
             {"params": no_wd, "wd_mult": 0.0, "max_lr": lr, "min_lr": None}]
 
 
+class _TraceRecorder:
+    """Records the step boundary's actions as the optimizer carries them out, with the collectives counted
+    after each."""
+
+    def __init__(self, trace: list, driver) -> None:
+        self.trace, self.driver = trace, driver
+
+    def start(self):
+        return True
+
+    def stop(self, started, action) -> None:
+        self.trace.append((action.text, dict(self.driver.comm_stats())))
+
+
 def _train_step(chunks, driver, opt, sched, batch, dtype, dp, trace=None):
-    """Execute rank 0's action list of a P=1 lowered schedule, then finalize and step."""
+    """Execute rank 0's action list of a P=1 lowered schedule up to its step boundary, hand the boundary to the
+    optimizer as the runtime does, then finalize and step. `trace` gets (action, collectives counted before it)
+    for the body and (action, collectives counted after it) for the boundary."""
     import torch.distributed as dist
 
     from megatron_bfpp.schedule import Op
@@ -141,7 +157,8 @@ def _train_step(chunks, driver, opt, sched, batch, dtype, dp, trace=None):
         c.zero_grad_buffer()
     opt.zero_grad()
     ins, outs, in_grads, total = {}, {}, {}, 0.0
-    for a in sched.ranks[0]:
+    boundary = sched.step_boundary(0)
+    for a in sched.ranks[0][:boundary]:
         c, m = a.stage, a.microbatch
         if trace is not None:
             trace.append((a.text, dict(driver.comm_stats())))
@@ -173,6 +190,8 @@ def _train_step(chunks, driver, opt, sched, batch, dtype, dp, trace=None):
         elif a.op == Op.REDUCE:
             driver.reduce(c)
     driver.finish_step()
+    driver.plan_step([(a, a.stage) for a in sched.step_tail(0)],
+                     None if trace is None else _TraceRecorder(trace, driver))
     finalize_model_grads(chunks)
     ok, norm, zeros = opt.step()
     t = torch.tensor([total], dtype=torch.float64)
@@ -535,8 +554,8 @@ def test_single_rank_in_process_matches_reference(zero):
     ref_losses, _, ref_params = reference(3, True, 2, 2)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     _assert_params(_full_params(chunks), ref_params, what=f"D=1 ZeRO-{zero}")
-    if zero == 3:
-        assert all(not b.pbuf.gathered for c in chunks for b in c.flat_buffers)  # released at rest
+    if zero == 3:  # at rest only the first chunk is gathered: the step boundary's all-gather for the next step
+        assert [any(b.pbuf.gathered for b in c.flat_buffers) for c in chunks] == [True, False, False]
 
 
 # -- equivalence ---------------------------------------------------------------------------------------------
@@ -629,17 +648,40 @@ def test_comm_counts_follow_the_schedule(jobs):
                 "interleaved-1f1b-z2"]:
         r = jobs[2][0][key]
         c = _cases_d2("")[key]
-        for step in r["comm"]:
+        for i, step in enumerate(r["comm"]):
             assert step["dp_reduce_scatter_calls"] == r["reduces"], key
             if c["zero"] == 3:
-                assert step["dp_allgather_calls"] == r["gathers"], key
+                # From the second step on the first GATHER finds the first chunk gathered by the step boundary.
+                assert step["dp_allgather_calls"] == r["gathers"] - (i > 0), key
             else:  # one all-gather of the updated parameters per chunk after the step
                 assert step["dp_allgather_calls"] == c["v"], key
             assert step["dp_allreduce_calls"] == (1 if c["tied"] else 0), key
             # every chunk's buffer has the same size here; fp32 gradients: grad bytes == param bytes
             assert step["dp_reduce_scatter_bytes"] == r["reduces"] * r["full_bytes"][0], key
             if c["zero"] == 3:
-                assert step["dp_allgather_bytes"] == r["gathers"] * r["full_bytes"][0], key
+                assert step["dp_allgather_bytes"] == (r["gathers"] - (i > 0)) * r["full_bytes"][0], key
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("key", ["breadth-first-z1", "breadth-first-z2", "breadth-first-z3"])
+def test_optimizer_carries_out_the_step_boundary_in_order(jobs, key):
+    """The optimizer steps chunk by chunk in the schedule's order, and each all-gather the boundary places is
+    launched right after its chunk's step: ZeRO-1/2 every chunk, ZeRO-3 the first (the next iteration's first
+    GATHER then gathers nothing)."""
+    r = jobs[2][0][key]
+    c = _cases_d2("")[key]
+    tail = r["trace"][-(2 * c["v"] if c["zero"] < 3 else c["v"] + 1):]
+    texts = [t for t, _ in tail]
+    want = [x for s in range(c["v"]) for x in (f"STEP{s}", f"GATHER{s}")]
+    assert texts == (want if c["zero"] < 3 else want[:2] + [f"STEP{s}" for s in range(1, c["v"])])
+    gathered = [after["dp_allgather_calls"] for _, after in tail]
+    before = r["trace"][-len(tail) - 1][1]["dp_allgather_calls"]
+    for (text, _), n, prev in zip(tail, gathered, [before] + gathered):
+        assert n == prev + (1 if text.startswith("GATHER") else 0), (key, texts)
+    if c["zero"] == 3:
+        body = [t for t, _ in r["trace"][:-len(tail)]]
+        first = body.index("GATHER0")
+        assert r["trace"][first][1]["dp_allgather_calls"] == r["trace"][first + 1][1]["dp_allgather_calls"]
 
 
 @pytest.mark.timeout(600)
@@ -662,7 +704,8 @@ def test_zero3_collectives_issued_ahead_of_compute(jobs):
     r = jobs[2][0]["breadth-first-z3"]
     texts = [t for t, _ in r["trace"]]
     issued = dict(r["trace"])  # collectives counted before each action ran
-    gathers = [t for t in texts if t.startswith("GATHER")]
+    # The trace is of the last step: its GATHER0 finds chunk 0 gathered by the previous step's boundary.
+    gathers = [t for t in texts if t.startswith("GATHER")][1:]
     reduces = [t for t in texts if t.startswith("REDUCE")]
     for s in range(2):  # GATHER{s+1} has been issued when F{s}:0 starts
         assert issued[f"F{s}:0"]["dp_allgather_calls"] >= gathers.index(f"GATHER{s + 1}") + 1
