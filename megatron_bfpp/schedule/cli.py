@@ -21,7 +21,8 @@ def parser() -> argparse.ArgumentParser:
                    help="interleaved: Megatron's micro-batch group size (default P); breadth-first: micro-batches "
                         "per breadth-first group (default M)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
-                   help="add data-parallel GATHER/RELEASE/REDUCE for this ZeRO stage (implies --lowered)")
+                   help="add data-parallel GATHER/RELEASE/REDUCE for this ZeRO stage and, for training, the step "
+                        "boundary: STEP per stage and the all-gathers after it (implies --lowered)")
     p.add_argument("--weight-buffers", type=int, default=2)
     p.add_argument("--grad-buffers", type=int, default=2)
     p.add_argument("--w-needs-weights", choices=("yes", "no"), default="yes",
@@ -31,6 +32,9 @@ def parser() -> argparse.ArgumentParser:
                    help="yes: an I writes its stage's gradient buffer (layers with gradient-accumulation fusion that "
                         "run their backward whole at I), so ZeRO-2/3 hold a stage's gradient buffer from its first I "
                         "instead of its first W")
+    p.add_argument("--optimizer-step", choices=("yes", "no"), default="yes",
+                   help="no: leave the optimizer step out of the schedule (an optimizer that steps outside it, as "
+                        "stock Megatron's)")
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--lowered", action="store_true", help="include p2p (and data-parallel) actions")
     p.add_argument("--format", choices=("text", "json", "csv"), default="text")
@@ -43,6 +47,7 @@ def spec_from_args(args: argparse.Namespace) -> ScheduleSpec:
         args.schedule, args.pp, args.vp, args.microbatches, args.group_size, zero_stage=args.zero_stage,
         forward_only=args.forward_only, weight_buffers=args.weight_buffers, grad_buffers=args.grad_buffers,
         w_needs_weights=args.w_needs_weights == "yes", i_writes_grads=args.i_writes_grads == "yes",
+        optimizer_step=args.optimizer_step == "yes",
     )
 
 
