@@ -15,6 +15,20 @@ Variants (every one on its own copy of the same model, identically initialised, 
                      after it) and returning one (hidden states, or logits [b, s, vocab] on the last stage),
                      with a masked per-micro-batch cross-entropy as loss_fn (Megatron's normalisation)
 
+With the optimizer inside the comparison (not in the default set; D > 1 makes it data-parallel):
+
+  ours-interleaved-zb-z1         interleaved-zb on the plugin's ShardedDataParallel (ZeRO-1) + ShardedOptimizer:
+                                 the schedule places the optimizer step (its step boundary: STEP a chunk, all-gather
+                                 its parameters, in the order the next forward needs them)
+  ours-interleaved-zb-z1-nostep  the same with ScheduleSpec(optimizer_step=False): every chunk stepped, then
+                                 all-gathered, in chunk order
+  stock-G=P-distopt              stock-G=P on Megatron's DistributedDataParallel + DistributedOptimizer with the
+                                 overlap flags Megatron-LM sets (--overlap-grad-reduce --overlap-param-gather, both
+                                 aligned; forward pre-hooks from the second step on), on CPU through
+                                 tests/support/megatron_ddp_cpu_shim.py
+  These three step with Megatron's Adam configuration (OptimizerConfig: Adam, gradient clipping at 1.0), the other
+  variants with torch's Adam (--optimizer).
+
 Stock Megatron runs on CPU through tests/support/megatron_cpu_shim.py (test/benchmark only) with the p2p
 configuration Megatron-LM uses for interleaving (overlap_p2p_comm=True, batch_p2p_comm=False).
 
@@ -22,7 +36,8 @@ A step is: zero grads, the schedule's forward-backward over M micro-batches, the
 all-reduce, the data-parallel gradient all-reduce (D > 1), an Adam step (torch's fused CPU Adam by default, as
 Megatron steps with a fused multi-tensor Adam on GPU; --optimizer for-loop for torch's per-parameter loop, which
 adds a fixed cost to every variant's step); timed between two barriers on
-every rank. Repetitions are interleaved (A B C D E A B C D E ...) so drift hits every variant alike; the
+every rank (the three variants above: zero the gradient buffers, the schedule, whose finalize reduces the
+gradients, the optimizer's step). Repetitions are interleaved (A B C D E A B C D E ...) so drift hits every variant alike; the
 first --warmup rounds are dropped. Reported per variant: median wall time per step with quartiles; its ratio
 to ours-bf's median; the paired ratio (each round's time over ours-bf's time in the same round: median and
 quartiles over rounds, the drift-cancelling figure), and the same paired ratio against stock-G=P (Megatron's
@@ -36,6 +51,15 @@ variants run with the runtime's action recorder on; megatron_bfpp.trace.metrics 
 (first to last recorded action of the step, all ranks) into compute, bubble, exposed p2p / dp and other, and
 the report gives the median over rounds of the mean over ranks. Recorded rounds are not timed rounds (the
 recorder costs a little per action, and the stock and torch variants have no recorder).
+
+Step boundary (--boundary-rounds B): B + 1 more steps of each variant back to back, without the timing barriers
+between them, as a training loop runs them. A rank's exposed step boundary is the time from the end of its last
+compute (F, B, I or W) of step k to the start of its first compute of step k + 1, minus nothing: zeroing the
+gradients, the gradient norm, the optimizer, the parameter all-gathers it waits for, and any wait for the previous
+pipeline rank's first output all count. Our variants read it from the runtime's recorder (compute actions'
+intervals); stock and torch variants from hooks: the first forward of a module with parameters (after Megatron's
+forward pre-hook, which waits for that module's parameter all-gather) and the last gradient accumulated into a
+parameter (after Megatron's DDP hook). Reported per rank: the median over the B boundaries.
 
 On CPU with gloo and tiny models this measures schedule and runtime overheads (Python dispatch, p2p
 latency, bubbles at CPU speed), not GPU performance.
@@ -70,9 +94,12 @@ if str(REPO) not in sys.path:  # tests/support/megatron_cpu_shim.py lives in the
 import torch  # noqa: E402
 
 VARIANTS = ("ours-bf", "ours-interleaved", "stock-G=M", "stock-G=P", "torch-loopedbfs", "ours-bf-zb",
-            "ours-interleaved-zb")
+            "ours-interleaved-zb", "ours-interleaved-zb-z1", "ours-interleaved-zb-z1-nostep", "stock-G=P-distopt")
 OURS = {"ours-bf": "breadth-first", "ours-interleaved": "interleaved-1f1b", "ours-bf-zb": "breadth-first-zb",
-        "ours-interleaved-zb": "interleaved-zb"}
+        "ours-interleaved-zb": "interleaved-zb", "ours-interleaved-zb-z1": "interleaved-zb",
+        "ours-interleaved-zb-z1-nostep": "interleaved-zb"}
+SHARDED = {"ours-interleaved-zb-z1": True, "ours-interleaved-zb-z1-nostep": False}  # name -> optimizer_step
+COMPUTE_OPS = ("F", "B", "I", "W")
 DEFAULT_VARIANTS = VARIANTS[:5]
 STOCK_BASE = "stock-G=P"
 STOCK_P2P = {"overlap_p2p_comm": True, "batch_p2p_comm": False}
@@ -81,7 +108,8 @@ CSV_FIELDS = ("P", "V", "D", "M", "micro_batch_size", "num_layers", "hidden_size
               "paired_ratio_p25", "paired_ratio_p75", "cpu_ms_all_ranks", "cpu_ratio_to_ours_bf", "reps",
               "step0_loss", "paired_ratio_to_stock_median", "paired_ratio_to_stock_p25", "paired_ratio_to_stock_p75",
               "measured_bubble", "measured_bubble_ms", "measured_compute_ms", "measured_exposed_p2p_ms",
-              "measured_window_ms", "record_rounds", "optimizer")
+              "measured_window_ms", "record_rounds", "optimizer", "stock_base", "boundary_rounds",
+              "step_boundary_ms_ranks", "step_boundary_ms_max")
 
 
 # --------------------------------------------------------------------------------------------------- args
@@ -106,7 +134,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="extra rounds of our variants with the action recorder on, for the measured bubble "
                         "(0: none)")
     p.add_argument("--optimizer", choices=("fused", "for-loop"), default="fused",
-                   help="Adam implementation for every variant (default: torch's fused Adam)")
+                   help="torch's Adam implementation for the variants that use it (default: fused)")
+    p.add_argument("--boundary-rounds", type=int, default=0,
+                   help="B: B + 1 back-to-back steps of every variant after the timed rounds, for the exposed step "
+                        "boundary per rank (median over the B boundaries; 0: none)")
+    p.add_argument("--stock-base", default=STOCK_BASE,
+                   help=f"the variant the paired_ratio_to_stock columns divide by (default {STOCK_BASE})")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "ab_schedules.csv"))
     args = p.parse_args(argv)
@@ -117,9 +150,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--layouts {args.layouts!r}: give PxV pairs with P >= 2 and V >= 2, e.g. 4x2,2x2")
     args.variants = [v for v in args.variants.split(",") if v]
     unknown = set(args.variants) - set(VARIANTS)
-    if unknown or "ours-bf" not in args.variants:
-        p.error(f"--variants: unknown {sorted(unknown)} or ours-bf missing (ratios are to ours-bf); "
-                f"choose from {','.join(VARIANTS)}")
+    if unknown or not args.variants:
+        p.error(f"--variants: unknown {sorted(unknown)} or none; choose from {','.join(VARIANTS)} (the ratio "
+                f"columns to ours-bf are empty without it)")
     try:
         args.microbatches = [int(x) for x in str(args.microbatches).split(",") if x]
         assert args.microbatches and min(args.microbatches) >= 1
@@ -248,6 +281,115 @@ def _megatron_variant(args, pp: int, vp: int, m: int, name: str) -> Variant:
     return Variant(name, group, chunks, step)
 
 
+def _megatron_optimizer_config(distributed: bool):
+    """The optimizer configuration of the variants that step with Megatron's optimizer surface (both sides the
+    same: Adam, Megatron's default gradient clipping and weight decay)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=1e-4, min_lr=1e-4, clip_grad=1.0,
+                           use_distributed_optimizer=distributed)
+
+
+def _ddp_config():
+    """Megatron-LM's DDP settings for --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+    (align_grad_reduce / align_param_gather are its defaults)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                                         use_distributed_optimizer=True, overlap_param_gather=True,
+                                         align_param_gather=True)
+
+
+def _sharded_variant(args, pp: int, vp: int, m: int, name: str) -> Variant:
+    """interleaved-zb on ShardedDataParallel (ZeRO-1) + ShardedOptimizer; the step boundary placed by the
+    schedule (optimizer_step=True) or the optimizer's default order (False)."""
+    from megatron.core.utils import get_model_config
+
+    from megatron_bfpp.runtime import get_forward_backward_func
+    from megatron_bfpp.schedule import ScheduleSpec
+    from megatron_bfpp.sharded import ShardedDataParallel, ShardedOptimizer, finalize_model_grads
+    from megatron_bfpp.train.data import gpt_forward_step
+
+    chunks = _chunks(args, pp, vp)
+    config = get_model_config(chunks[0])
+    model = [ShardedDataParallel(config, _ddp_config(), c, zero_stage=1) for c in chunks]
+    config.finalize_model_grads_func = finalize_model_grads
+    opt = ShardedOptimizer(model, _megatron_optimizer_config(True))
+    config.grad_scale_func = opt.scale_loss
+    # P, V, M are placeholders: each call sets them.
+    fb = get_forward_backward_func(ScheduleSpec(OURS[name], 1, 1, 1, optimizer_step=SHARDED[name]))
+
+    def step(batches: list[dict]) -> list[float]:
+        for c in model:
+            c.zero_grad_buffer()
+        opt.zero_grad()
+        store = fb(forward_step_func=gpt_forward_step, data_iterator=[iter(batches) for _ in model], model=model,
+                   num_microbatches=m, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+        opt.step()
+        return [float(d["lm loss"][0] / d["lm loss"][1]) for d in store]
+
+    return Variant(name, None, model, step)
+
+
+def _stock_distopt_variant(args, pp: int, vp: int, m: int) -> Variant:
+    """Megatron-Core's interleaved schedule (G = P) on Megatron's DDP + DistributedOptimizer, wired as Megatron-LM's
+    train() wires them; Megatron's CUDA-only calls run on the CPU through the test-support shims."""
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.utils import get_model_config
+
+    from megatron_bfpp.train.data import gpt_forward_step
+    from tests.support.megatron_cpu_shim import stock_schedules_on_cpu
+    from tests.support.megatron_ddp_cpu_shim import megatron_ddp_on_cpu
+
+    chunks = _chunks(args, pp, vp)
+    config = get_model_config(chunks[0])
+    for key, value in {**STOCK_P2P, "microbatch_group_size_per_vp_stage": pp}.items():
+        setattr(config, key, value)
+    with megatron_ddp_on_cpu():
+        model = [DistributedDataParallel(config, _ddp_config(), c, disable_bucketing=i > 0)
+                 for i, c in enumerate(chunks)]
+        opt = get_megatron_optimizer(_megatron_optimizer_config(True), model)
+        # Megatron-LM's train(): no parameter sync function and no forward pre-hooks in the first iteration.
+        for c in model:
+            c.disable_forward_pre_hook(param_sync=False)
+    config.no_sync_func = [c.no_sync for c in model]
+    config.grad_sync_func = [c.start_grad_sync for c in model]
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = opt.scale_loss
+    config.param_sync_func = None
+    steps = [0]
+
+    def step(batches: list[dict]) -> list[float]:
+        with megatron_ddp_on_cpu(), stock_schedules_on_cpu():
+            if steps[0] == 1:  # from the second iteration on, as Megatron-LM's train()
+                for c in model:
+                    c.enable_forward_pre_hook()
+                config.param_sync_func = [c.start_param_sync for c in model]
+            for c in model:
+                c.zero_grad_buffer()
+            opt.zero_grad()
+            store = schedules.forward_backward_pipelining_with_interleaving(
+                forward_step_func=gpt_forward_step, data_iterator=[iter(batches) for _ in model], model=model,
+                num_microbatches=m, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+            opt.step()
+        steps[0] += 1
+        return [float(d["lm loss"][0] / d["lm loss"][1]) for d in store]
+
+    return Variant("stock-G=P-distopt", pp, model, step)
+
+
+def _variant(args, pp: int, vp: int, m: int, name: str) -> Variant:
+    if name == "torch-loopedbfs":
+        return _torch_variant(args, pp, vp, m)
+    if name in SHARDED:
+        return _sharded_variant(args, pp, vp, m, name)
+    if name == "stock-G=P-distopt":
+        return _stock_distopt_variant(args, pp, vp, m)
+    return _megatron_variant(args, pp, vp, m, name)
+
+
 def _torch_variant(args, pp: int, vp: int, m: int) -> Variant:
     from megatron.core import parallel_state as ps
     from torch.distributed.pipelining import PipelineStage, ScheduleLoopedBFS
@@ -355,12 +497,103 @@ def _measure_bubble(args, variants: list[Variant], data: list[list[dict]]) -> di
     return out
 
 
+# ------------------------------------------------------------------------------------------- step boundary
+def compute_intervals(events: list[Any], rank: int) -> list[tuple[int, float, float]]:
+    """(iteration, start, end) of `rank`'s compute actions (F, B, I, W) among recorded TimelineEvents."""
+    return [(e.iteration, e.start, e.end) for e in events if e.rank == rank and e.op in COMPUTE_OPS]
+
+
+def step_boundaries(intervals: list[tuple[int, float, float]]) -> list[float]:
+    """One rank's exposed step boundaries, in seconds: for each step k whose successor k + 1 is recorded, the
+    start of the rank's first compute of step k + 1 minus the end of its last compute of step k. `intervals`:
+    (iteration, start, end) of the rank's compute intervals."""
+    last_end: dict[int, float] = {}
+    first_start: dict[int, float] = {}
+    for it, start, end in intervals:
+        last_end[it] = max(end, last_end.get(it, end))
+        first_start[it] = min(start, first_start.get(it, start))
+    return [first_start[k + 1] - last_end[k] for k in sorted(last_end) if k + 1 in first_start]
+
+
+class _ComputeMarks:
+    """Compute intervals of a model without the runtime's recorder (stock and torch variants): a zero-length mark
+    at the start of every forward of a module with parameters of its own (hooks registered after Megatron's
+    DDP's, so after its pre-hook waited for the module's parameter all-gather) and one after every gradient
+    accumulated into a parameter (after Megatron's DDP hook on the accumulation node). Their first and last per
+    step are the start of the step's first compute and the end of its last."""
+
+    def __init__(self, chunks: list[torch.nn.Module]) -> None:
+        self.iteration = 0
+        self.marks: list[tuple[int, float, float]] = []
+        self._handles: list[Any] = []
+        self._nodes: list[Any] = []  # the accumulation nodes must live as long as their hooks
+        seen: set[int] = set()
+        for c in chunks:
+            for mod in c.modules():
+                if any(True for _ in mod.parameters(recurse=False)):
+                    self._handles.append(mod.register_forward_pre_hook(self._mark))
+            for prm in c.parameters():
+                if id(prm) in seen or not prm.requires_grad:
+                    continue
+                seen.add(id(prm))
+                node = prm.expand_as(prm).grad_fn.next_functions[0][0]
+                self._nodes.append(node)
+                self._handles.append(node.register_hook(self._mark))
+
+    def _mark(self, *unused: Any) -> None:
+        t = time.time()
+        self.marks.append((self.iteration, t, t))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._nodes = [], []
+
+
+def _measure_boundary(args, variants: list[Variant], data: list[list[dict]]) -> dict[str, list[float]]:
+    """Per variant, every rank's median exposed step boundary (seconds) over --boundary-rounds boundaries of
+    back-to-back steps (no barrier between them). Returns name -> [rank 0, rank 1, ...] (on every rank)."""
+    from megatron_bfpp.runtime import ActionRecorder, set_recorder
+
+    out: dict[str, list[float]] = {}
+    if args.boundary_rounds < 1:
+        return out
+    rank = torch.distributed.get_rank()
+    for v in variants:
+        ours = v.name in OURS
+        rec = ActionRecorder(rank, use_cuda=False) if ours else None
+        marks = None if ours else _ComputeMarks(v.chunks)
+        if rec is not None:
+            set_recorder(rec)
+            rec.enabled = True
+        torch.distributed.barrier()
+        for rnd in range(args.boundary_rounds + 1):
+            if rec is not None:
+                rec.iteration = rnd
+            else:
+                marks.iteration = rnd
+            v.step(data[rnd % len(data)])
+        torch.distributed.barrier()
+        if rec is not None:
+            set_recorder(None)
+            rec.flush()
+            intervals = compute_intervals(rec.events, rank)
+        else:
+            marks.remove()
+            intervals = marks.marks
+        bounds = step_boundaries(intervals)
+        mine = statistics.median(bounds) if bounds else float("nan")
+        gathered: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, mine)
+        out[v.name] = gathered
+    return out
+
+
 def run_case(args, pp: int, vp: int, m: int) -> list[dict]:
     from megatron.core import parallel_state as ps
 
     data = _microbatches(args, m, 4)
-    variants = [(_torch_variant(args, pp, vp, m) if name == "torch-loopedbfs" else
-                 _megatron_variant(args, pp, vp, m, name)) for name in args.variants]
+    variants = [_variant(args, pp, vp, m, name) for name in args.variants]
     wall = torch.zeros(len(variants), args.reps, dtype=torch.float64)
     cpu = torch.zeros(len(variants), args.reps, dtype=torch.float64)
     step0: dict[str, list[float]] = {}
@@ -378,25 +611,28 @@ def run_case(args, pp: int, vp: int, m: int) -> list[dict]:
     torch.distributed.all_gather_object(gathered, step0 if holder else None)
     losses0 = next(g for g in gathered if g is not None)
     measured = _measure_bubble(args, variants, data)
+    boundary = _measure_boundary(args, variants, data)
     names = [v.name for v in variants]
-    base = names.index("ours-bf")
-    stock = names.index(STOCK_BASE) if STOCK_BASE in names else None
+    base = names.index("ours-bf") if "ours-bf" in names else None
+    stock = names.index(args.stock_base) if args.stock_base in names else None
     rows = []
     for i, v in enumerate(variants):
         w25, w50, w75 = _quartiles(wall[i].tolist())
         # Paired: each round's time over ours-bf's time in the same round, so drift between rounds cancels.
-        r25, r50, r75 = _quartiles((wall[i] / wall[base]).tolist())
+        r25, r50, r75 = _quartiles((wall[i] / wall[base]).tolist()) if base is not None else ("", "", "")
         s25, s50, s75 = _quartiles((wall[i] / wall[stock]).tolist()) if stock is not None else ("", "", "")
         mb = measured.get(v.name)
+        sb = boundary.get(v.name)
         rows.append({"P": pp, "V": vp, "D": ps.get_data_parallel_world_size(), "M": m,
                      "micro_batch_size": args.micro_batch_size, "num_layers": pp * vp * args.layers_per_stage,
                      "hidden_size": args.hidden_size, "seq_length": args.seq_length, "variant": v.name,
                      "group_size": v.group_size if v.group_size is not None else m,
                      "median_ms": 1e3 * w50, "p25_ms": 1e3 * w25, "p75_ms": 1e3 * w75,
-                     "ratio_to_ours_bf": w50 / statistics.median(wall[base].tolist()),
+                     "ratio_to_ours_bf": w50 / statistics.median(wall[base].tolist()) if base is not None else "",
                      "paired_ratio_median": r50, "paired_ratio_p25": r25, "paired_ratio_p75": r75,
                      "cpu_ms_all_ranks": 1e3 * statistics.median(cpu[i].tolist()),
-                     "cpu_ratio_to_ours_bf": statistics.median(cpu[i].tolist()) / statistics.median(cpu[base].tolist()),
+                     "cpu_ratio_to_ours_bf": (statistics.median(cpu[i].tolist()) / statistics.median(cpu[base].tolist())
+                                              if base is not None else ""),
                      "reps": args.reps, "optimizer": args.optimizer, "step0_loss": statistics.fmean(losses0[v.name]),
                      "step0_losses": losses0[v.name],
                      "paired_ratio_to_stock_median": s50, "paired_ratio_to_stock_p25": s25,
@@ -406,7 +642,11 @@ def run_case(args, pp: int, vp: int, m: int) -> list[dict]:
                      "measured_compute_ms": 1e3 * mb["compute_s"] if mb else "",
                      "measured_exposed_p2p_ms": 1e3 * mb["p2p_s"] if mb else "",
                      "measured_window_ms": 1e3 * mb["window_s"] if mb else "",
-                     "record_rounds": args.record_rounds if mb else 0})
+                     "record_rounds": args.record_rounds if mb else 0,
+                     "stock_base": args.stock_base if stock is not None else "",
+                     "boundary_rounds": args.boundary_rounds if sb else 0,
+                     "step_boundary_ms_ranks": ";".join(f"{1e3 * x:.2f}" for x in sb) if sb else "",
+                     "step_boundary_ms_max": 1e3 * max(sb) if sb else ""})
     return rows
 
 
@@ -430,21 +670,29 @@ def check_losses(rows: list[dict], rtol: float = 1e-5) -> tuple[float, list[str]
     return worst, problems
 
 
+def _fmt(value: Any, spec: str = ".2f") -> str:
+    return "-" if value == "" else format(value, spec)
+
+
 def markdown_table(rows: list[dict]) -> str:
+    stock_base = next((r["stock_base"] for r in rows if r.get("stock_base")), STOCK_BASE)
     lines = ["| P | V | D | M | variant | G | median step (ms) | p25-p75 (ms) | ratio to ours-bf | "
-             "paired ratio, median [p25-p75] | paired ratio to stock-G=P | CPU ms/step, all ranks | CPU ratio | "
-             "measured bubble (of window) | bubble / compute ms |",
-             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"paired ratio, median [p25-p75] | paired ratio to {stock_base} | CPU ms/step, all ranks | CPU ratio | "
+             "measured bubble (of window) | bubble / compute ms | step boundary ms per rank |",
+             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         stock = (f"{r['paired_ratio_to_stock_median']:.2f} [{r['paired_ratio_to_stock_p25']:.2f}-"
                  f"{r['paired_ratio_to_stock_p75']:.2f}]" if r["paired_ratio_to_stock_median"] != "" else "-")
+        paired = (f"{r['paired_ratio_median']:.2f} [{r['paired_ratio_p25']:.2f}-{r['paired_ratio_p75']:.2f}]"
+                  if r["paired_ratio_median"] != "" else "-")
         bub = f"{r['measured_bubble']:.3f}" if r["measured_bubble"] != "" else "-"
         bc = (f"{r['measured_bubble_ms']:.0f} / {r['measured_compute_ms']:.0f}" if r["measured_bubble"] != ""
               else "-")
+        sb = r["step_boundary_ms_ranks"].replace(";", " / ") if r["step_boundary_ms_ranks"] else "-"
         lines.append(f"| {r['P']} | {r['V']} | {r['D']} | {r['M']} | {r['variant']} | {r['group_size']} | "
-                     f"{r['median_ms']:.1f} | {r['p25_ms']:.1f}-{r['p75_ms']:.1f} | {r['ratio_to_ours_bf']:.2f} | "
-                     f"{r['paired_ratio_median']:.2f} [{r['paired_ratio_p25']:.2f}-{r['paired_ratio_p75']:.2f}] | "
-                     f"{stock} | {r['cpu_ms_all_ranks']:.1f} | {r['cpu_ratio_to_ours_bf']:.2f} | {bub} | {bc} |")
+                     f"{r['median_ms']:.1f} | {r['p25_ms']:.1f}-{r['p75_ms']:.1f} | {_fmt(r['ratio_to_ours_bf'])} | "
+                     f"{paired} | {stock} | {r['cpu_ms_all_ranks']:.1f} | {_fmt(r['cpu_ratio_to_ours_bf'])} | {bub} | "
+                     f"{bc} | {sb} |")
     return "\n".join(lines)
 
 
