@@ -589,6 +589,15 @@ def _measure_boundary(args, variants: list[Variant], data: list[list[dict]]) -> 
     return out
 
 
+def _optimizer_label(args, name: str) -> str:
+    """What steps the variant: Megatron's optimizer surface (ours sharded, stock distributed) or torch's Adam."""
+    if name in SHARDED:
+        return "sharded-adam"
+    if name == "stock-G=P-distopt":
+        return "megatron-distopt-adam"
+    return args.optimizer
+
+
 def run_case(args, pp: int, vp: int, m: int) -> list[dict]:
     from megatron.core import parallel_state as ps
 
@@ -633,7 +642,7 @@ def run_case(args, pp: int, vp: int, m: int) -> list[dict]:
                      "cpu_ms_all_ranks": 1e3 * statistics.median(cpu[i].tolist()),
                      "cpu_ratio_to_ours_bf": (statistics.median(cpu[i].tolist()) / statistics.median(cpu[base].tolist())
                                               if base is not None else ""),
-                     "reps": args.reps, "optimizer": args.optimizer, "step0_loss": statistics.fmean(losses0[v.name]),
+                     "reps": args.reps, "optimizer": _optimizer_label(args, v.name), "step0_loss": statistics.fmean(losses0[v.name]),
                      "step0_losses": losses0[v.name],
                      "paired_ratio_to_stock_median": s50, "paired_ratio_to_stock_p25": s25,
                      "paired_ratio_to_stock_p75": s75,
