@@ -1,7 +1,8 @@
 """Let an unmodified Megatron-LM script accept the plugin's flags and install the plugin.
 
 `hook_argument_parsing()` rebinds, in the Megatron modules that call them:
-- `parse_args` so the script's own `extra_args_provider` (or None) is chained with `add_arguments`;
+- `parse_args` so the script's own `extra_args_provider` (or None) is chained with `add_arguments`, and the
+  plugin's flags are checked against those whose own Megatron check would fire first (`check_before_megatron`);
 - `validate_args` / `validate_yaml` so that `install_or_exit(args)` runs right after Megatron validated the
   arguments: before `initialize_megatron` creates any process group and before the model is built.
 
@@ -15,7 +16,7 @@ import importlib
 from typing import Any, Callable
 
 from .flags import chain_args_providers
-from .install import install_or_exit
+from .install import check_before_megatron_or_exit, install_or_exit
 
 _MODULES = ("megatron.training.arguments", "megatron.training.initialize", "megatron.training.yaml_arguments")
 _hooked: list[tuple[Any, str, Any]] = []
@@ -23,7 +24,9 @@ _hooked: list[tuple[Any, str, Any]] = []
 
 def _wrap_parse_args(original: Callable) -> Callable:
     def parse_args(extra_args_provider=None, ignore_unknown_args=False, *args, **kwargs):
-        return original(chain_args_providers(extra_args_provider), ignore_unknown_args, *args, **kwargs)
+        parsed = original(chain_args_providers(extra_args_provider), ignore_unknown_args, *args, **kwargs)
+        check_before_megatron_or_exit(parsed)  # conflicts Megatron's validate_args would misreport
+        return parsed
 
     parse_args.__wrapped__ = original  # type: ignore[attr-defined]
     return parse_args

@@ -21,7 +21,7 @@ import sys
 from typing import Iterator, Sequence
 
 from .flags import ArgsProvider, chain_args_providers
-from .validation import ConfigError, PluginConfig, validate_args
+from .validation import ConfigError, PluginConfig, check_before_megatron, validate_args
 
 
 @contextlib.contextmanager
@@ -66,7 +66,8 @@ def parse_megatron_args(
     gpu_arch: int = 9,
 ) -> argparse.Namespace:
     """Megatron-LM's parse_args + validate_args on `argv` as if run on `world_size` ranks (no global state set,
-    no CUDA needed: `gpu_arch` answers the architecture query); the plugin's flags are always accepted. Megatron's own rejections surface as its
+    no CUDA needed: `gpu_arch` answers the architecture query); the plugin's flags are accepted, but for conflicts
+    Megatron's own check would misreport (`check_before_megatron`, a ConfigError). Megatron's own rejections surface as its
     AssertionError / ValueError / SystemExit (argparse)."""
     from megatron.training import arguments
 
@@ -79,6 +80,7 @@ def parse_megatron_args(
         parse = getattr(arguments.parse_args, "__wrapped__", arguments.parse_args)
         validate = getattr(arguments.validate_args, "__wrapped__", arguments.validate_args)
         args = parse(chain_args_providers(extra_args_provider), False)
+        check_before_megatron(args)  # as the hooked parse_args does: before Megatron's check misreports them
         validate(args, defaults)
     return args
 

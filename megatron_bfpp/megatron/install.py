@@ -398,11 +398,23 @@ def is_installed() -> bool:
 
 def install_or_exit(args: argparse.Namespace) -> PluginConfig:
     """`install(args)` for command-line entry points: a configuration error exits with one clear message."""
+    return _or_exit(install, args)
+
+
+def check_before_megatron_or_exit(args: argparse.Namespace) -> None:
+    """`validation.check_before_megatron(args)` for command-line entry points, on the parsed arguments before
+    Megatron validates them."""
+    from .validation import check_before_megatron
+
+    _or_exit(check_before_megatron, args)
+
+
+def _or_exit(fn: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> Any:
     from .compat import UnsupportedMegatronError
     from .validation import ConfigError
 
     try:
-        return install(args)
+        return fn(args)
     except (ConfigError, UnsupportedMegatronError) as e:
         print(f"megatron_bfpp: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

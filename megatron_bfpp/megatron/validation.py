@@ -318,6 +318,20 @@ def _check_queued_weight_gradients(cfg: PluginConfig, args: argparse.Namespace) 
         )
 
 
+def check_before_megatron(args: argparse.Namespace) -> None:
+    """Conflicts of the plugin's flags with Megatron-LM flags whose own check in Megatron's `validate_args` would
+    fire first, with a fix that leads away from the plugin: run on the parsed arguments before it."""
+    zero = _flag(args, "zero_stage")
+    if zero is not None and _flag(args, "overlap_param_gather_with_optimizer_step", False):
+        raise ConfigError(
+            f"--overlap-param-gather-with-optimizer-step with --zero-stage {zero}: the schedule already steps the "
+            "optimizer stage by stage, in the order the next forward needs the stages, and launches each stage's "
+            "parameter all-gather right after its step (its STEP actions); drop "
+            "--overlap-param-gather-with-optimizer-step (it configures Megatron's distributed optimizer, which "
+            f"--zero-stage {zero} replaces)"
+        )
+
+
 def validate_args(args: argparse.Namespace) -> PluginConfig:
     """Validate Megatron-LM's parsed and validated `args` (after Megatron's own `validate_args`) with the plugin's
     flags; return the resolved configuration or raise one `ConfigError` naming the flags and the fix."""
@@ -335,6 +349,7 @@ def validate_args(args: argparse.Namespace) -> PluginConfig:
     schedule = args.pipeline_schedule
     if schedule not in PIPELINE_SCHEDULES:
         raise ConfigError(f"--pipeline-schedule {schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
+    check_before_megatron(args)
     zero = _flag(args, "zero_stage")
     wbuf, gbuf = _flag(args, "bfpp_weight_buffers"), _flag(args, "bfpp_grad_buffers")
     timeline = _flag(args, "timeline")

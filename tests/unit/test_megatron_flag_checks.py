@@ -38,6 +38,28 @@ def test_zero_stage_refuses_flags_that_read_freed_storage(flags: list[str], need
     assert needle in msg and "--zero-stage" in msg and ("drop" in msg or "use" in msg), msg
 
 
+@pytest.mark.parametrize("zero", ["1", "2", "3"])
+def test_zero_stage_refuses_megatrons_param_gather_in_the_optimizer_step_before_megatron_does(zero: str) -> None:
+    """Megatron's own check would ask for --use-distributed-optimizer, which --zero-stage replaces: the plugin's
+    message comes first and says the schedule already does it."""
+    flags = CHECK + ["--pipeline-schedule", "interleaved-1f1b", "--zero-stage", zero,
+                     "--overlap-param-gather-with-optimizer-step"]
+    with pytest.raises(bm.ConfigError, match="STEP actions.*drop --overlap-param-gather-with-optimizer-step"):
+        parse_megatron_args(flags, 2)
+
+
+def test_hooked_parse_args_checks_before_megatron_validates() -> None:
+    from megatron_bfpp.megatron import arg_hooks
+
+    def parse(extra_args_provider=None, ignore_unknown_args=False):
+        import argparse
+
+        return argparse.Namespace(zero_stage=2, overlap_param_gather_with_optimizer_step=True)
+
+    with pytest.raises(SystemExit):
+        arg_hooks._wrap_parse_args(parse)()
+
+
 @pytest.mark.parametrize("flags", [
     ["--zero-stage", "1", "--cuda-graph-impl", "transformer_engine", "--pipeline-schedule", "interleaved-1f1b"],
     ["--zero-stage", "2", "--save-params-interval", "2"],
