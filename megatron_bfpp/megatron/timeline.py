@@ -40,22 +40,30 @@ class TimelineRecorder:
         from megatron_bfpp.runtime import ActionRecorder, set_recorder
         from megatron_bfpp.trace.chrome import write_rank_file
 
+        def write() -> None:
+            rec = self._recorder
+            rec.flush()
+            write_rank_file(rec.events, rank_file(self.path, rec.rank))
+
         def recorded(*args, **kwargs):
+            rec = self._recorder
+            if rec is not None and rec.enabled:
+                # The previous recorded iteration is over: its step boundary, which the optimizer records after
+                # the schedule, is in (the file written after the schedule is rewritten with it).
+                rec.enabled = False
+                write()
             if kwargs.get("forward_only") or self.calls >= self.iterations:
                 return forward_backward(*args, **kwargs)
-            if self._recorder is None:
-                self._recorder = ActionRecorder(_global_rank())
-            rec = self._recorder
+            if rec is None:
+                rec = self._recorder = ActionRecorder(_global_rank())
             rec.enabled, rec.iteration = True, self.calls
             set_recorder(rec)
             try:
                 return forward_backward(*args, **kwargs)
             finally:
-                set_recorder(None)
-                rec.enabled = False
-                rec.flush()
+                set_recorder(None)  # only the optimizer's step boundary records into `rec` until the next call
                 self.calls += 1
-                write_rank_file(rec.events, rank_file(self.path, rec.rank))
+                write()
 
         recorded.__wrapped__ = forward_backward  # type: ignore[attr-defined]
         return recorded

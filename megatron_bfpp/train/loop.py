@@ -244,6 +244,8 @@ class Trainer:
         if a.save and not saved:  # as Megatron-LM: the last iteration is always saved
             self.save_checkpoint()
         set_recorder(None)
+        recorder.enabled = False
+        recorder.flush()  # the last iteration's step boundary, recorded by the optimizer after the schedule's flush
         if not self.losses:  # resumed at or past --train-iters
             return {}
         per_rank = report.gather_rank_stats(self.model, self.optimizer, recorder.events, self.device, a.zero_stage)

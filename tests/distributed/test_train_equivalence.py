@@ -162,6 +162,16 @@ def test_breadth_first_zero3_timeline_follows_schedule(runs):
         assert sum(e.op == "F" for e in mine) == vp * m and sum(e.op == "B" for e in mine) == vp * m
     problems = check_against_schedule(events, schedule, pp_rank_of=pp_rank_of)
     assert not problems, problems
+    # The step boundary, recorded by the optimizer after the schedule: each local stage stepped once, in the order
+    # the next forward needs them, after the rank's last compute, the first stage's all-gather right after its step.
+    for rank in range(4):
+        stages = [pp_rank_of[rank] + c * 2 for c in range(vp)]
+        mine = sorted((e for e in events if e.rank == rank), key=lambda e: e.start)
+        first_step = next(i for i, e in enumerate(mine) if e.op == "STEP")
+        tail = [e for e in mine[first_step:] if e.op in ("STEP", "GATHER")]
+        assert [e.name for e in tail] == [f"STEP{stages[0]}", f"GATHER{stages[0]}", f"STEP{stages[1]}"], tail
+        last_compute = max(e.end for e in mine if e.stream == "compute" and e.op in ("F", "B"))
+        assert tail[0].start >= last_compute
     assert not compute_overlaps(events)
     # Overlap, from the recorded order on each rank: the next stage's all-gather is issued before the current
     # stage's compute starts, and a stage's reduce-scatter before the earlier stage's backward starts.

@@ -660,7 +660,11 @@ def test_megatron_train_step_matches_plugin_trainer(run_distributed, tmp_path: P
     events = load_chrome_trace(path)
     assert {e.rank for e in events} == {0, 1, 2, 3}
     assert {e.iteration for e in events} == set(range(E2E_ITERS))
-    assert {"F", "B", "GATHER", "REDUCE"} <= {e.op for e in events}
+    assert {"F", "B", "GATHER", "REDUCE", "STEP"} <= {e.op for e in events}
+    # The optimizer records each iteration's step boundary after the schedule (Megatron's optimizer.step()); the
+    # rank file is rewritten with it at the next forward_backward call, so every iteration but the last has it.
+    steps = {(e.rank, e.iteration) for e in events if e.op == "STEP"}
+    assert {(r, i) for r in range(4) for i in range(E2E_ITERS - 1)} <= steps
 
 
 def test_timeline_recorder_records_training_calls_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
