@@ -13,7 +13,9 @@ completes under event simulations of the backends:
   The communicator is the action's `channel`, one queue for lone actions and batches alike: exactly what the
   runtime does, which posts every post as one `batch_isend_irecv` on the channel's process group, so that NCCL
   runs a lone op on the group's communicator too and not on a 2-rank one of its own (`runtime/p2p.py`,
-  `PipelineP2P.post`).
+  `PipelineP2P.post`). The gradient norm's all-reduce, right before each rank's first STEP, is a collective
+  of every rank (a rendezvous: it completes when every rank has reached it), on its own communicator, or in
+  the one queue.
 Errors name the rank, the step (index in the rank's list), the action and, for deadlocks, the cycle.
 """
 
@@ -353,11 +355,17 @@ def simulate_nccl(schedule: Schedule, single_queue: bool = False) -> None:
     queue_of: dict[tuple[int, int], tuple[int, str]] = {}
     computes_before: dict[tuple[int, int], int] = {}  # p2p step -> number of computes posted before it
     needs: dict[tuple[int, int], list[int]] = {}  # compute step -> p2p steps it waits on
+    # The gradient norm's all-reduce, posted right before each rank's first STEP: a collective of every rank of
+    # the model (the rendezvous below), on its own communicator, after the rank's computes.
+    norm_at = {r: i for r in range(schedule.pp) if (i := schedule.step_boundary(r)) is not None}
     for r, acts in enumerate(schedule.ranks):
         pos = {a: i for i, a in enumerate(acts)}
         n_compute = 0
         for i, a in enumerate(acts):
-            if a.op in COMPUTE_OPS:
+            if norm_at.get(r) == i:
+                qn = "all" if single_queue else "norm"
+                computes_before[(r, i)] = n_compute
+            elif a.op in COMPUTE_OPS:
                 qn = "all" if single_queue else "compute"
                 deps = []
                 if a.op == Op.F and a.stage > 0:
@@ -404,7 +412,12 @@ def simulate_nccl(schedule: Schedule, single_queue: bool = False) -> None:
             while head[k] < len(units):
                 unit = units[head[k]]
                 a = schedule.ranks[r][unit[0]]
-                if a.op in COMPUTE_OPS:
+                if norm_at.get(r) == unit[0]:
+                    if (r, unit[0]) not in done:
+                        if not all(active(q, j) for q, j in norm_at.items()):
+                            break
+                        done.update(norm_at.items())
+                elif a.op in COMPUTE_OPS:
                     if not all((r, d) in done for d in needs[(r, unit[0])]):
                         break
                     computes_done[r] += 1
@@ -425,18 +438,28 @@ def simulate_nccl(schedule: Schedule, single_queue: bool = False) -> None:
     if stuck:
         raise ScheduleError(f"deadlock under NCCL semantics ({model}): " + _nccl_cycle(
             schedule, stuck[0], queues, head, queue_of, partners, needs, done, computes_before, computes_done,
-            single_queue))
+            single_queue, norm_at))
 
 
 def _nccl_cycle(schedule, start, queues, head, queue_of, partners, needs, done, computes_before, computes_done,
-                single_queue) -> str:
+                single_queue, norm_at) -> str:
     """Follow what each blocked queue waits for until a queue repeats; describe that cycle."""
+    def at_head(r: int, i: int) -> bool:
+        k = queue_of[(r, i)]
+        return head[k] < len(queues[k]) and i in queues[k][head[k]]
+
     def describe(k: tuple[int, str]) -> tuple[tuple[int, str], str]:
         r = k[0]
         unit = queues[k][head[k]]
         i = unit[0]
         a = schedule.ranks[r][i]
         where = f"rank {r} step {i} {a.text}"
+        if norm_at.get(r) == i:
+            if not single_queue and computes_done[r] < computes_before[(r, i)]:
+                return (r, "compute"), f"{where}: the gradient norm's all-reduce waits for the computes before it"
+            q = next(q for q, j in norm_at.items() if not at_head(q, j))
+            return queue_of[(q, norm_at[q])], (f"{where}: the gradient norm's all-reduce before it waits for rank {q} "
+                                               f"(its step {norm_at[q]})")
         if a.op in COMPUTE_OPS:
             d = next(d for d in needs[(r, i)] if (r, d) not in done)
             b = schedule.ranks[r][d]

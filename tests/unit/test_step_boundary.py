@@ -93,3 +93,19 @@ def test_zero3_carries_only_the_boundary_gathers():
     # More boundary gathers than weight buffers.
     with pytest.raises(ScheduleError, match="gathers 2 stages into the next iteration; 1 weight buffers"):
         validate(_with_rank(dataclasses.replace(s, weight_buffers=1), 0, s.ranks[0] + [Action(Op.GATHER, 2)]))
+
+
+def test_nccl_model_meets_every_rank_at_the_gradient_norm():
+    """The gradient norm's all-reduce before the first STEP is a rendezvous of every rank: a send posted after
+    it, which another rank's backward needs, deadlocks with one queue per rank (CUDA_DEVICE_MAX_CONNECTIONS=1)
+    and not with one per communicator, and the error names the all-reduce."""
+    from megatron_bfpp.schedule.validate import simulate_nccl
+
+    s = make_schedule("breadth-first", 2, 2, 4, zero_stage=1)
+    acts, b = list(s.ranks[1]), s.step_boundary(1)
+    k = max(i for i, a in enumerate(acts[:b]) if a.op == Op.SEND_B and a.batch is None)
+    moved = _with_rank(s, 1, acts[:k] + acts[k + 1:b + 1] + [acts[k]] + acts[b + 1:])
+    simulate_nccl(moved, single_queue=False)
+    with pytest.raises(ScheduleError, match="gradient norm's all-reduce"):
+        simulate_nccl(moved, single_queue=True)
+    simulate_nccl(s, single_queue=True)
