@@ -268,14 +268,14 @@ def check_step(schedule: Schedule) -> None:
             if a.op == Op.GATHER and zero != 3:
                 raise ScheduleError(f"rank {r} step {i}: {a.text} before the optimizer step (ZeRO-{zero} "
                                     "parameters are resident: they are all-gathered after their STEP)")
+        reduced = {b.stage for b in acts[:start] if b.op == Op.REDUCE}
         stepped: list[int] = []
         gathered: list[int] = []
         for i, a in enumerate(acts[start:], start):
             if a.op == Op.STEP:
                 if a.stage in stepped:
                     raise ScheduleError(f"rank {r} step {i}: {a.text} appears twice")
-                reduce = [j for j, b in enumerate(acts[:start]) if b.op == Op.REDUCE and b.stage == a.stage]
-                if not reduce:
+                if a.stage not in reduced:
                     raise ScheduleError(f"rank {r} step {i}: {a.text} has no REDUCE of its gradients before it")
                 stepped.append(a.stage)
             elif a.op == Op.GATHER:
@@ -393,8 +393,7 @@ def simulate_nccl(schedule: Schedule, single_queue: bool = False) -> None:
     computes_done = [0] * schedule.pp
 
     def unit_at_head(r: int, i: int) -> bool:
-        k = queue_of[(r, i)]
-        return head[k] < len(queues[k]) and i in queues[k][head[k]]
+        return _unit_at_head(queues, head, queue_of, r, i)
 
     def ready(r: int, i: int) -> bool:
         if single_queue:
@@ -441,13 +440,15 @@ def simulate_nccl(schedule: Schedule, single_queue: bool = False) -> None:
             single_queue, norm_at))
 
 
+def _unit_at_head(queues, head, queue_of, r: int, i: int) -> bool:
+    """Whether rank r's step i belongs to the unit at the head of its queue (the next that queue runs)."""
+    k = queue_of[(r, i)]
+    return head[k] < len(queues[k]) and i in queues[k][head[k]]
+
+
 def _nccl_cycle(schedule, start, queues, head, queue_of, partners, needs, done, computes_before, computes_done,
                 single_queue, norm_at) -> str:
     """Follow what each blocked queue waits for until a queue repeats; describe that cycle."""
-    def at_head(r: int, i: int) -> bool:
-        k = queue_of[(r, i)]
-        return head[k] < len(queues[k]) and i in queues[k][head[k]]
-
     def describe(k: tuple[int, str]) -> tuple[tuple[int, str], str]:
         r = k[0]
         unit = queues[k][head[k]]
@@ -457,7 +458,7 @@ def _nccl_cycle(schedule, start, queues, head, queue_of, partners, needs, done, 
         if norm_at.get(r) == i:
             if not single_queue and computes_done[r] < computes_before[(r, i)]:
                 return (r, "compute"), f"{where}: the gradient norm's all-reduce waits for the computes before it"
-            q = next(q for q, j in norm_at.items() if not at_head(q, j))
+            q = next(q for q, j in norm_at.items() if not _unit_at_head(queues, head, queue_of, q, j))
             return queue_of[(q, norm_at[q])], (f"{where}: the gradient norm's all-reduce before it waits for rank {q} "
                                                f"(its step {norm_at[q]})")
         if a.op in COMPUTE_OPS:

@@ -222,6 +222,9 @@ class ShardedOptimizer(MegatronOptimizer):
                     p, ci, master.view(-1), p.main_grad.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1),
                     counts_in_norm=counts,
                 ))
+        # Per chunk, per parameter group: the non-empty segments one STEP of that chunk updates.
+        self._segments_by_chunk = [[[s for s in segs if s.chunk == ci and s.main_param.numel()]
+                                    for segs in self._segments] for ci in range(len(self.chunks))]
 
     def _all_segments(self) -> list[_Segment]:
         return [s for segs in self._segments for s in segs]
@@ -337,8 +340,7 @@ class ShardedOptimizer(MegatronOptimizer):
         beta2 = getattr(self.config, "adam_beta2", 0.999)
         decoupled = bool(getattr(self.config, "decoupled_weight_decay", True))
         foreach = self.device.type == "cuda"
-        for g, segs in zip(self.param_groups, self._segments):
-            segs = [s for s in segs if s.chunk == chunk and s.main_param.numel()]
+        for g, segs in zip(self.param_groups, self._segments_by_chunk[chunk]):
             if not segs:
                 continue
             betas = g.get("betas", (beta1, beta2))

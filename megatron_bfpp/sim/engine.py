@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from ..schedule import COMPUTE_OPS, Action, Op, Schedule, ScheduleError, add_p2p
 from ..schedule.events import TimelineEvent
+from ..schedule.lower import first_use_order
 from .costs import Costs
 
 
@@ -187,11 +188,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
     # `param_sync_lead` earlier (during the optimizer step).
     if not has_step and dp_on and sched.zero_stage in (1, 2, None):
         for st in ranks:
-            order: list[int] = []
-            for a in sched.ranks[st.r]:
-                if a.op in COMPUTE_OPS and a.stage not in order:
-                    order.append(a.stage)
-            for i, s in enumerate(order):
+            for i, s in enumerate(first_use_order(sched.ranks[st.r])):
                 d = costs.param_sync[s]
                 if d > 0:
                     t0 = -costs.param_sync_lead[st.r] if i == 0 else st.dp_free
