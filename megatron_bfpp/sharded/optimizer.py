@@ -429,10 +429,12 @@ class ShardedOptimizer(MegatronOptimizer):
                 self.grad_scaler.load_state_dict(scaler)
         else:
             self._load_local_state(state_dict)
-        for chunk, c in enumerate(self.chunks):
+        for chunk in range(len(self.chunks)):
             self._copy_main_params_to_model_params(chunk)
-            if c.zero_stage != 3:  # ZeRO-3 gathers at the next GATHER
-                c.start_param_sync()
+        # The all-gathers an update makes without a schedule's plan (ZeRO-3 gathers at its next GATHER).
+        for kind, chunk, _ in StepPlan.default(self.chunks).entries:
+            if kind == "gather":
+                self._gather_chunk(chunk)
 
     def _load_local_state(self, sd: dict) -> None:
         if sd.get("format") != "bfpp-sharded-adam":

@@ -46,11 +46,15 @@ class SearchSpace:
     w_at_input_grad: bool = False  # and `Config.w_at_input_grad`
     split: StageSplit = EVEN_STAGES  # Megatron-LM's uneven-split flags, for every configuration
     # Stock Megatron (`stock_space`): its interleaved configurations are also tried with the parameter gather
-    # overlapped with the optimizer step.
+    # overlapped with the optimizer step. Implies `stock_optimizer`.
     stock: bool = False
     # The optimizer is stock Megatron's, outside the schedule (`Config.stock_optimizer`): `stock_space` and the
     # benchmarks' other Megatron baselines.
     stock_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stock and not self.stock_optimizer:
+            object.__setattr__(self, "stock_optimizer", True)  # stock Megatron steps with its own optimizer
 
 
 def stock_space(space: SearchSpace = SearchSpace()) -> SearchSpace:
@@ -67,8 +71,7 @@ def stock_space(space: SearchSpace = SearchSpace()) -> SearchSpace:
         raise ValueError(f"stock Megatron at its best uses its distributed optimizer (ZeRO-{STOCK_ZERO_STAGE}), "
                          f"not among the ZeRO stages searched ({', '.join(map(str, space.zero_stages))})")
     return dataclasses.replace(space, schedules=schedules, zero_stages=(STOCK_ZERO_STAGE,), dp_overlap=True,
-                               p2p_overlap=True, w_reruns_input_grad=False, w_at_input_grad=False, stock=True,
-                               stock_optimizer=True)
+                               p2p_overlap=True, w_reruns_input_grad=False, w_at_input_grad=False, stock=True)
 
 
 STOCK = stock_space()
@@ -265,7 +268,7 @@ def enumerate_configs(model: ModelProfile, hw: Hardware, gpus: int, global_batch
                                               space.dp_overlap, space.p2p_overlap,
                                               w_reruns_input_grad=space.w_reruns_input_grad,
                                               w_at_input_grad=space.w_at_input_grad, split=space.split,
-                                              stock_optimizer=space.stock or space.stock_optimizer)
+                                              stock_optimizer=space.stock_optimizer)
                                 if m > space.max_microbatches:
                                     bad.append((base, f"M={m} micro-batches per step exceeds the search limit "
                                                       f"{space.max_microbatches}; a larger micro-batch size covers it"))
