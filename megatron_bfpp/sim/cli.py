@@ -200,7 +200,9 @@ def _simulate(argv: list[str] | None) -> int:
     print(f"{model.name} on {args.gpus} x {hw.name}: T={cfg.tp} P={cfg.pp} V={cfg.vp} D={cfg.dp} b={cfg.micro_batch_size} "
           f"M={cfg.microbatches} {cfg.schedule} (group {c['microbatch_group_size_per_vp_stage']}) ZeRO-{cfg.zero_stage}"
           f"{' recompute' if cfg.recompute else ''}")
-    rows = [("step time", f"{pred.step_time_s:.4f} s"), ("TFLOP/s per GPU", f"{pred.tflops_per_gpu:.1f}"),
+    rows = [("step time", f"{pred.step_time_s:.4f} s"),
+            ("lower bound", f"{pred.step_lower_bound_s:.4f} s (no order of these stages steps faster)"),
+            ("TFLOP/s per GPU", f"{pred.tflops_per_gpu:.1f}"),
             ("MFU", f"{pred.mfu:.1%}"), ("bubble (of compute)", f"{pred.bubble_fraction:.1%}"),
             ("exposed p2p", f"{pred.exposed_pp_s:.4f} s"), ("exposed dp", f"{pred.exposed_dp_s:.4f} s"),
             ("optimizer", f"{pred.optimizer_s:.4f} s, {pred.optimizer_exposed_s:.4f} s exposed"

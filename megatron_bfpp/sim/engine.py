@@ -143,6 +143,54 @@ def _lowered(schedule: Schedule) -> Schedule:
     return add_p2p(schedule)
 
 
+def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
+    """A step time that no order of `schedule`'s stages beats under `costs` and the rules of
+    `simulate_schedule`: the larger of two paths every order contains, each followed by what ends the step (the
+    gradient norm with STEP actions, the optimizer outside the schedule otherwise).
+
+    - One micro-batch's chain: the one whose first forward starts last (after the first stage's parameters are
+      ready and M - 1 forwards of that stage), its forward through every stage and its backward back (the
+      input-gradient part where the stage's backward is split, the whole backward on the first stage, whose
+      reduction needs its weight gradients), each hop's transfer, then the first stage's gradient reduction
+      (its last bucket where bucketed). At M < P this is the bound.
+    - A rank's work: its first forward waits for its STEPs and for the first micro-batch to come down the stages
+      before it; then every F and backward of its stages."""
+    sched = _lowered(schedule)
+    n, pp, m = sched.num_stages, sched.pp, sched.microbatches
+    fwd, bwd, share = costs.forward, costs.backward, costs.input_grad_share
+    hops = costs.send_forward if pp > 1 else [0.0] * n
+    has_step = any(a.op is Op.STEP for acts in sched.ranks for a in acts)
+    zero = sched.zero_stage
+    # When the first stage's first forward may start: its parameters at the step's start.
+    ready = 0.0
+    if has_step:
+        if zero == 3:
+            ready = costs.step[0] + costs.gather[0]
+        elif costs.param_sync[0] > 0:
+            ready = costs.step[0] + costs.param_sync[0] / max(1, costs.param_sync_buckets[0])
+    elif costs.dp_overlap and zero in (1, 2, None) and costs.param_sync[0] > 0:
+        ready = max(0.0, costs.param_sync[0] / max(1, costs.param_sync_buckets[0]) - costs.param_sync_lead[0])
+    chain = ready + (m - 1) * fwd[0] + sum(fwd) + sum(hops[:n - 1])
+    backward = [0.0] * n if sched.forward_only else bwd
+    if not sched.forward_only:
+        split_stages = {s for s, _ in sched.split_pairs()}
+        chain += bwd[0] + sum(bwd[s] * (share[s] if s in split_stages else 1.0) for s in range(1, n))
+        if pp > 1:
+            chain += sum(costs.send_backward[1:])
+        if any(a.op is Op.REDUCE and a.stage == 0 for a in sched.ranks[0]):
+            chain += costs.reduce[0] / max(1, costs.reduce_buckets[0]) if costs.dp_overlap else costs.reduce[0]
+    # A rank's STEPs run on its compute stream before its first forward.
+    steps = [sum(costs.step[s] for s in sched.stages_of(r)) if has_step else 0.0 for r in range(pp)]
+    work = max(max(steps[r], ready + sum(fwd[s] + hops[s] for s in range(r)))
+               + m * sum(fwd[s] + backward[s] for s in sched.stages_of(r)) for r in range(pp))
+    if has_step:
+        end = costs.grad_norm
+    else:
+        end = max(costs.optimizer) + (0.0 if costs.dp_overlap else
+                                      max(sum(costs.param_sync[s] for s in sched.stages_of(r)) for r in range(pp)))
+    return max(chain, work) + end
+
+
 def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = True,
                       iteration: int = 0) -> EngineResult:
     """Time one training step of `schedule` (lowered here for p2p if needed) under `costs`."""

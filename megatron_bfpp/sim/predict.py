@@ -12,7 +12,7 @@ from ..schedule.kinds import KINDS, megatron_kind, schedule_kind
 from ..schedule.validate import peak_pending_weight_grads
 from ..schedule.events import TimelineEvent
 from .costs import Config, Placement, analytic_costs, memory_breakdown, peak_activation_bytes
-from .engine import EngineResult, simulate_schedule
+from .engine import EngineResult, simulate_schedule, step_lower_bound_s
 from .hardware import GIB, Hardware
 from .model import ModelProfile, StageSplit
 
@@ -108,6 +108,10 @@ class Prediction:
     # Of the optimizer (and gradient norm), what the step waits for: the most over ranks (`EngineResult`);
     # equal to `optimizer_s` when the optimizer is outside the schedule.
     optimizer_exposed_s: float = 0.0
+    # No order of this layout's stages steps faster (`engine.step_lower_bound_s`): one micro-batch's chain
+    # through every stage and back with the first stage's collectives around it (the bound at M < P), or a
+    # rank's work after the pipeline's fill.
+    step_lower_bound_s: float = 0.0
     events: list[TimelineEvent] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -211,10 +215,11 @@ def predict(model: ModelProfile, hw: Hardware, cfg: Config, record_events: bool 
     sched = schedule_for(cfg, check)
     costs = analytic_costs(hw, part, cfg)
     res = simulate_schedule(sched, costs, record_events=record_events)
-    return _prediction(model, hw, cfg, sched, res)
+    return _prediction(model, hw, cfg, sched, res, step_lower_bound_s(sched, costs))
 
 
-def _prediction(model: ModelProfile, hw: Hardware, cfg: Config, sched: Schedule, res: EngineResult) -> Prediction:
+def _prediction(model: ModelProfile, hw: Hardware, cfg: Config, sched: Schedule, res: EngineResult,
+                lower_bound_s: float) -> Prediction:
     mem = memory(model, cfg)
     peak_rank = max(range(cfg.pp), key=lambda r: mem[r]["total"])
     flops = model.model_flops_per_sequence() * cfg.global_batch_size
@@ -245,6 +250,7 @@ def _prediction(model: ModelProfile, hw: Hardware, cfg: Config, sched: Schedule,
         dp_collectives=res.dp_traffic,
         peak_pending_weight_grads=pending,
         optimizer_exposed_s=res.max_optimizer_exposed_s,
+        step_lower_bound_s=lower_bound_s,
         events=res.events,
     )
 

@@ -1,0 +1,81 @@
+"""`engine.step_lower_bound_s`: no simulated order beats it, and it is exact where one path is the whole step."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from megatron_bfpp.schedule import ScheduleError, ScheduleSpec
+from megatron_bfpp.schedule.kinds import KINDS
+from megatron_bfpp.sim import get_hardware, get_model
+from megatron_bfpp.sim.costs import Config, Costs
+from megatron_bfpp.sim import simulate_schedule, step_lower_bound_s
+from megatron_bfpp.sim.predict import predict
+
+
+def _costs(n: int, pp: int, *, dp_overlap: bool = True, p2p_overlap: bool = True, buckets: int = 1) -> Costs:
+    """Stages that differ (the first and last heavier, as with the embedding and the output layer)."""
+    fwd = [1.0 + 0.3 * (s == 0) + 0.6 * (s == n - 1) + 0.05 * (s % 3) for s in range(n)]
+    return Costs(fwd, [2.1 * f for f in fwd], [0.15] * n, [0.2] * n, [0.8 + 0.1 * (s == 0) for s in range(n)],
+                 [1.1 + 0.7 * (s == 0) for s in range(n)], [0.5 + 0.3 * (s == 0) for s in range(n)],
+                 [0.4 + 0.1 * r for r in range(pp)], grad_norm=0.05, reduce_buckets=[buckets] * n,
+                 param_sync_buckets=[buckets] * n, param_sync_lead=[0.2] * pp,
+                 input_grad_share=[0.55] * n, dp_overlap=dp_overlap, p2p_overlap=p2p_overlap)
+
+
+def _specs():
+    for kind, pp, vp, m, zero, step in itertools.product(
+            KINDS, (1, 2, 4), (1, 2, 3), (1, 3, 4, 8), (None, 1, 2, 3), (True, False)):
+        if zero is None and not step:
+            continue
+        spec = ScheduleSpec(kind, pp, vp, m, zero_stage=zero, optimizer_step=step)
+        try:
+            yield spec, spec.build()
+        except ScheduleError:
+            continue  # a combination the kind refuses
+
+
+@pytest.mark.parametrize("overlap", [(True, True), (False, True), (True, False), (False, False)],
+                         ids=["overlapped", "dp-blocking", "p2p-blocking", "both-blocking"])
+def test_no_simulated_order_beats_the_bound(overlap) -> None:
+    dp_overlap, p2p_overlap = overlap
+    checked = 0
+    for i, (spec, sched) in enumerate(_specs()):
+        costs = _costs(sched.num_stages, sched.pp, dp_overlap=dp_overlap, p2p_overlap=p2p_overlap,
+                       buckets=1 + 2 * (i % 2))  # every other one with bucketed gathers and reductions
+        step = simulate_schedule(sched, costs, record_events=False).step_time_s
+        bound = step_lower_bound_s(sched, costs)
+        assert bound > 0
+        assert step >= bound - 1e-9, f"{spec}: step {step} below the bound {bound}"
+        checked += 1
+    assert checked > 300
+
+
+@pytest.mark.parametrize("kind,pp", [("gpipe", 1), ("gpipe", 4), ("1f1b", 3), ("zb-h1", 4)])
+@pytest.mark.parametrize("zero", [1, 3])
+def test_one_micro_batch_is_the_chain_exactly(kind: str, pp: int, zero: int) -> None:
+    """M = 1, V = 1: the step is one micro-batch down and back, the first stage's collectives and the norm."""
+    sched = ScheduleSpec(kind, pp, 1, 1, zero_stage=zero).build()
+    costs = _costs(pp, pp)
+    assert simulate_schedule(sched, costs, record_events=False).step_time_s == pytest.approx(
+        step_lower_bound_s(sched, costs), rel=1e-12)
+
+
+def test_work_bound_is_exact_without_a_pipeline() -> None:
+    """P = 1: a rank's work alone is the step (its STEPs overlap the first all-gather)."""
+    sched = ScheduleSpec("breadth-first", 1, 3, 4, zero_stage=3).build()
+    costs = _costs(3, 1)
+    step = simulate_schedule(sched, costs, record_events=False).step_time_s
+    assert step >= step_lower_bound_s(sched, costs) - 1e-12
+    assert step == pytest.approx(step_lower_bound_s(sched, costs), rel=0.05)
+
+
+@pytest.mark.parametrize("batch,layout", [(32, (8, 8, 8, "interleaved-zb", 1)), (128, (4, 4, 16, "interleaved-zb", 1)),
+                                          (32, (8, 32, 1, "1f1b", 1))])
+def test_predictions_carry_the_bound(batch: int, layout: tuple) -> None:
+    tp, pp, vp, sched, zero = layout
+    cfg = Config(tp, pp, vp, 512 // (tp * pp), 1, batch * tp * pp // 512, sched, zero, False, None)
+    p = predict(get_model("gpt-52b"), get_hardware("dgx-a100"), cfg)
+    assert 0 < p.step_lower_bound_s <= p.step_time_s
+    assert p.to_dict()["step_lower_bound_s"] == p.step_lower_bound_s
