@@ -154,13 +154,21 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
       reduction needs its weight gradients), each hop's transfer, then the first stage's gradient reduction
       (its last bucket where bucketed). At M < P this is the bound.
     - A rank's work: its first forward waits for its STEPs and for the first micro-batch to come down the stages
-      before it; then every F and backward of its stages."""
+      before it; then every F and backward of its stages, and the reduction of the stage it ends with."""
     sched = _lowered(schedule)
     n, pp, m = sched.num_stages, sched.pp, sched.microbatches
     fwd, bwd, share = costs.forward, costs.backward, costs.input_grad_share
     hops = costs.send_forward if pp > 1 else [0.0] * n
     has_step = any(a.op is Op.STEP for acts in sched.ranks for a in acts)
     zero = sched.zero_stage
+    reduced = {a.stage for acts in sched.ranks for a in acts if a.op is Op.REDUCE}
+
+    def reduce_tail(s: int) -> float:
+        """How long stage s's reduction outlasts its last backward at the least (its last bucket)."""
+        if sched.forward_only or s not in reduced:
+            return 0.0
+        return costs.reduce[s] / max(1, costs.reduce_buckets[s]) if costs.dp_overlap else costs.reduce[s]
+
     # When the first stage's first forward may start: its parameters at the step's start.
     ready = 0.0
     if has_step:
@@ -177,12 +185,13 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
         chain += bwd[0] + sum(bwd[s] * (share[s] if s in split_stages else 1.0) for s in range(1, n))
         if pp > 1:
             chain += sum(costs.send_backward[1:])
-        if any(a.op is Op.REDUCE and a.stage == 0 for a in sched.ranks[0]):
-            chain += costs.reduce[0] / max(1, costs.reduce_buckets[0]) if costs.dp_overlap else costs.reduce[0]
-    # A rank's STEPs run on its compute stream before its first forward.
+        chain += reduce_tail(0)
+    # A rank's STEPs run on its compute stream before its first forward; its last computation is a backward
+    # (B or W) of one of its stages, whose reduction follows it.
     steps = [sum(costs.step[s] for s in sched.stages_of(r)) if has_step else 0.0 for r in range(pp)]
     work = max(max(steps[r], ready + sum(fwd[s] + hops[s] for s in range(r)))
-               + m * sum(fwd[s] + backward[s] for s in sched.stages_of(r)) for r in range(pp))
+               + m * sum(fwd[s] + backward[s] for s in sched.stages_of(r))
+               + min(reduce_tail(s) for s in sched.stages_of(r)) for r in range(pp))
     if has_step:
         end = costs.grad_norm
     else:
