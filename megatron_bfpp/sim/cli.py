@@ -256,11 +256,13 @@ def _plan(argv: list[str] | None) -> int:
     print(f"{model.name} on {args.gpus} x {hw.name}, global batch {args.global_batch_size}: {what}"
           f"{res.searched} configurations, {res.simulated} simulated")
     if res.candidates:
-        print(f"  {'#':>2} {'TFLOP/s':>8} {'step s':>8} {'GiB':>6}  T  P   V    D  b    M  schedule          G  Z  rc  "
+        print(f"  {'#':>2} {'TFLOP/s':>8} {'step s':>8} {'bound s':>8} {'GiB':>6}  T  P   V    D  b    M  schedule          G  "
+              "Z  rc  "
               + ("ag@opt" if res.stock else "stock at this layout"))
     for i, p in enumerate(res.candidates):
         c, g = p.config, p.to_dict()["config"]["microbatch_group_size_per_vp_stage"]
-        print(f"  {i + 1:>2} {p.tflops_per_gpu:>8.1f} {p.step_time_s:>8.3f} {p.peak_memory_gib:>6.1f} {c.tp:>2} {c.pp:>2} "
+        print(f"  {i + 1:>2} {p.tflops_per_gpu:>8.1f} {p.step_time_s:>8.3f} {p.step_lower_bound_s:>8.3f} "
+              f"{p.peak_memory_gib:>6.1f} {c.tp:>2} {c.pp:>2} "
               f"{c.vp:>3} {c.dp:>4} {c.micro_batch_size:>2} {c.microbatches:>4}  {c.schedule:<16} {g if g else '-':>2} "
               f"{c.zero_stage:>2}  {'y' if c.recompute else 'n'}  "
               + (("y" if c.param_gather_with_optimizer else "n") if res.stock else _stock_here(c)))
