@@ -43,8 +43,8 @@ def ceiling_row(model_name: str, hw_name: str, gpus: int, beta: Fraction) -> dic
             best = (bound, cfg)
     bound, cfg = best
     return {"batch_per_gpu": str(beta), "global_batch_size": batch, "configurations": n,
-            "stock_step_time_s": f"{stock.step_time_s:.6g}", "smallest_lower_bound_s": f"{bound:.6g}",
-            "ceiling_ratio": f"{stock.step_time_s / bound:.4f}", "schedule": cfg.schedule,
+            "stock_step_time_s": stock.step_time_s, "smallest_lower_bound_s": bound,
+            "ceiling_ratio": stock.step_time_s / bound, "schedule": cfg.schedule,
             "tensor_model_parallel_size": cfg.tp, "pipeline_model_parallel_size": cfg.pp,
             "virtual_pipeline_model_parallel_size": cfg.vp, "data_parallel_size": cfg.dp,
             "micro_batch_size": cfg.micro_batch_size, "num_micro_batches": cfg.microbatches,
@@ -63,15 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     for beta in args.batch_per_gpu:
         rows.append(ceiling_row(args.model, args.hardware, args.gpus, beta))
         r = rows[-1]
-        print(f"beta={beta}: at most {r['ceiling_ratio']}x stock over {r['configurations']} configurations "
-              f"(smallest bound {r['smallest_lower_bound_s']} s: {r['schedule']}, T/P/V/D = "
+        print(f"beta={beta}: at most {r['ceiling_ratio']:.4f}x stock over {r['configurations']} configurations "
+              f"(smallest bound {r['smallest_lower_bound_s']:.4f} s: {r['schedule']}, T/P/V/D = "
               f"{r['tensor_model_parallel_size']}/{r['pipeline_model_parallel_size']}/"
               f"{r['virtual_pipeline_model_parallel_size']}/{r['data_parallel_size']}, M = {r['num_micro_batches']})",
               flush=True)
     with args.csv.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS)
         w.writeheader()
-        w.writerows(rows)
+        w.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
     print(f"wrote {args.csv}", file=sys.stderr)
     return 0
 

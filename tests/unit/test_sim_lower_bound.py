@@ -79,3 +79,23 @@ def test_predictions_carry_the_bound(batch: int, layout: tuple) -> None:
     p = predict(get_model("gpt-52b"), get_hardware("dgx-a100"), cfg)
     assert 0 < p.step_lower_bound_s <= p.step_time_s
     assert p.to_dict()["step_lower_bound_s"] == p.step_lower_bound_s
+
+
+def test_ceiling_is_above_what_the_planner_reaches() -> None:
+    """bench/ceiling.py: the smallest bound over every layout is no larger than the best plan's step."""
+    import importlib.util
+    from fractions import Fraction
+    from pathlib import Path
+
+    from megatron_bfpp.sim import STOCK, SearchSpace, plan
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "ceiling.py"
+    spec = importlib.util.spec_from_file_location("bench_ceiling", path)
+    ceiling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ceiling)
+    row = ceiling.ceiling_row("gpt-1.3b", "dgx-a100", 16, Fraction(1, 2))
+    model, hw = get_model("gpt-1.3b"), get_hardware("dgx-a100")
+    ours = plan(model, hw, 16, 8, SearchSpace(), top=1).candidates[0]
+    stock = plan(model, hw, 16, 8, STOCK, top=1).candidates[0]
+    assert row["smallest_lower_bound_s"] <= ours.step_time_s * (1 + 1e-12)  # equal where the bound is exact
+    assert row["ceiling_ratio"] >= stock.step_time_s / ours.step_time_s * (1 - 1e-12)
