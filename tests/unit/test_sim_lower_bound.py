@@ -8,10 +8,10 @@ import pytest
 
 from megatron_bfpp.schedule import ScheduleError, ScheduleSpec
 from megatron_bfpp.schedule.kinds import KINDS
-from megatron_bfpp.sim import get_hardware, get_model
+from megatron_bfpp.sim import (SearchSpace, analytic_costs, get_hardware, get_model, plan, simulate_schedule,
+                               step_lower_bound_s)
 from megatron_bfpp.sim.costs import Config, Costs
-from megatron_bfpp.sim import simulate_schedule, step_lower_bound_s
-from megatron_bfpp.sim.predict import predict
+from megatron_bfpp.sim.predict import predict, schedule_for
 
 
 def _costs(n: int, pp: int, *, dp_overlap: bool = True, p2p_overlap: bool = True, buckets: int = 1) -> Costs:
@@ -82,20 +82,16 @@ def test_predictions_carry_the_bound(batch: int, layout: tuple) -> None:
 
 
 def test_ceiling_is_above_what_the_planner_reaches() -> None:
-    """bench/ceiling.py: the smallest bound over every layout is no larger than the best plan's step."""
+    """bench/regime_table.py's ceiling: the smallest bound over every layout is no larger than the best plan's step."""
     import importlib.util
-    from fractions import Fraction
     from pathlib import Path
 
-    from megatron_bfpp.sim import STOCK, SearchSpace, plan
-
-    path = Path(__file__).resolve().parents[2] / "bench" / "ceiling.py"
-    spec = importlib.util.spec_from_file_location("bench_ceiling", path)
-    ceiling = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ceiling)
-    row = ceiling.ceiling_row("gpt-1.3b", "dgx-a100", 16, Fraction(1, 2))
+    path = Path(__file__).resolve().parents[2] / "bench" / "regime_table.py"
+    spec = importlib.util.spec_from_file_location("bench_regime_table", path)
+    regime = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regime)
     model, hw = get_model("gpt-1.3b"), get_hardware("dgx-a100")
+    bound, cfg = regime.smallest_lower_bound(model, hw, 16, 8)
     ours = plan(model, hw, 16, 8, SearchSpace(), top=1).candidates[0]
-    stock = plan(model, hw, 16, 8, STOCK, top=1).candidates[0]
-    assert row["smallest_lower_bound_s"] <= ours.step_time_s * (1 + 1e-12)  # equal where the bound is exact
-    assert row["ceiling_ratio"] >= stock.step_time_s / ours.step_time_s * (1 - 1e-12)
+    assert bound <= ours.step_time_s * (1 + 1e-12)  # equal where the bound is exact
+    assert bound == pytest.approx(step_lower_bound_s(schedule_for(cfg), analytic_costs(hw, cfg.partition(model), cfg)))
