@@ -24,9 +24,9 @@ from pathlib import Path
 from megatron_bfpp.sim import STOCK, SearchSpace, analytic_costs, get_hardware, get_model, plan, step_lower_bound_s
 from megatron_bfpp.sim.hardware import Hardware
 from megatron_bfpp.sim.model import ModelProfile
-from megatron_bfpp.sim.planner import enumerate_configs, stock_schedule
+from megatron_bfpp.sim.planner import enumerate_configs, stock_schedule, unfit_reason
 from megatron_bfpp.sim.costs import Config
-from megatron_bfpp.sim.predict import Prediction, memory, schedule_for
+from megatron_bfpp.sim.predict import Prediction, schedule_for
 
 ROOT = Path(__file__).resolve().parent.parent
 BETAS = [Fraction(1, 32), Fraction(1, 16), Fraction(1, 8), Fraction(1, 4), Fraction(1, 2), Fraction(1)]
@@ -48,7 +48,7 @@ def smallest_lower_bound(model: ModelProfile, hw: Hardware, gpus: int, batch: in
     faster under the cost model."""
     best: tuple[float, Config] | None = None
     for cfg in enumerate_configs(model, hw, gpus, batch, SearchSpace())[0]:
-        if max(r["total"] for r in memory(model, cfg)) > hw.usable_memory_bytes:
+        if unfit_reason(model, hw, cfg) is not None:
             continue
         bound = step_lower_bound_s(schedule_for(cfg), analytic_costs(hw, cfg.partition(model), cfg))
         if best is None or bound < best[0]:

@@ -143,6 +143,19 @@ def _lowered(schedule: Schedule) -> Schedule:
     return add_p2p(schedule)
 
 
+def _has_step(sched: Schedule) -> bool:
+    """Whether the optimizer step is schedule data (STEP actions) rather than a call after the schedule."""
+    return any(a.op is Op.STEP for acts in sched.ranks for a in acts)
+
+
+def _post_step_param_sync_s(sched: Schedule, costs: Costs) -> float:
+    """Without dp overlap and without STEPs: the post-optimizer parameter all-gathers the step ends with (the
+    slowest rank's, its stages one after the other)."""
+    if costs.dp_overlap:
+        return 0.0
+    return max(sum(costs.param_sync[s] for s in sched.stages_of(r)) for r in range(sched.pp))
+
+
 def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
     """A step time that no order of `schedule`'s stages beats under `costs` and the rules of
     `simulate_schedule`: the larger of two paths every order contains, each followed by what ends the step (the
@@ -159,7 +172,7 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
     n, pp, m = sched.num_stages, sched.pp, sched.microbatches
     fwd, bwd, share = costs.forward, costs.backward, costs.input_grad_share
     hops = costs.send_forward if pp > 1 else [0.0] * n
-    has_step = any(a.op is Op.STEP for acts in sched.ranks for a in acts)
+    has_step = _has_step(sched)
     zero = sched.zero_stage
     reduced = {a.stage for acts in sched.ranks for a in acts if a.op is Op.REDUCE}
 
@@ -192,11 +205,7 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
     work = max(max(steps[r], ready + sum(fwd[s] + hops[s] for s in range(r)))
                + m * sum(fwd[s] + backward[s] for s in sched.stages_of(r))
                + min(reduce_tail(s) for s in sched.stages_of(r)) for r in range(pp))
-    if has_step:
-        end = costs.grad_norm
-    else:
-        end = max(costs.optimizer) + (0.0 if costs.dp_overlap else
-                                      max(sum(costs.param_sync[s] for s in sched.stages_of(r)) for r in range(pp)))
+    end = costs.grad_norm if has_step else max(costs.optimizer) + _post_step_param_sync_s(sched, costs)
     return max(chain, work) + end
 
 
@@ -234,7 +243,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
 
     # Schedule-placed optimizer step: each rank's list ends with its step boundary (STEPs and the all-gathers
     # they allow), which runs at the start of the next step; the body is what comes before it.
-    has_step = any(a.op is Op.STEP for acts in sched.ranks for a in acts)
+    has_step = _has_step(sched)
     body_end = []
     for r in range(pp):
         b = sched.step_boundary(r) if has_step else None
@@ -489,8 +498,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
     else:
         opt = max(costs.optimizer)
         norm = 0.0
-        if not dp_on:
-            post_sync = max(sum(costs.param_sync[s] for s in sched.stages_of(r)) for r in range(pp))
+        post_sync = _post_step_param_sync_s(sched, costs)
         step = sync_point + opt + post_sync
         opt_rank = [opt] * pp
         opt_exposed = [opt] * pp

@@ -185,6 +185,10 @@ class _Bounds:
             lambda tp, b, rerun, at_i: split_backward_times(hw, Partition(model, tp, 1, 1), b, rerun, at_i))
 
     def step_lower_bound(self, cfg: Config, part: Partition) -> float:
+        """From the layer profiles alone, no schedule built: the computation that any order of `cfg` runs (per
+        rank, the last rank's fill, one micro-batch's chain) and an optimizer outside the schedule. Cheap enough
+        to rank every configuration before simulating; `engine.step_lower_bound_s` is the tighter bound of a
+        built schedule under its full costs (hops and collectives too)."""
         lf, lb = self._layer(cfg.tp, cfg.micro_batch_size)
         hf, hb = self._head(cfg.tp, cfg.micro_batch_size)
         rc = lf if cfg.recompute else 0.0
@@ -303,6 +307,28 @@ def _vp_sizes(model: ModelProfile, pp: int, split: StageSplit) -> list[int]:
     return out
 
 
+def unfit_reason(model: ModelProfile, hw: Hardware, cfg: Config, bounds: _Bounds | None = None) -> str | None:
+    """Why `cfg` cannot run on `hw` (its model state or its peak memory exceeds the usable memory, or the
+    configuration is refused), or None when it fits. `bounds`: a shared `_Bounds` (its caches) when checking many."""
+    usable = hw.usable_memory_bytes
+    part = cfg.partition(model)
+    static = (bounds or _Bounds(model, hw)).static_memory(cfg, part)
+    if static > usable:
+        return f"model state alone needs {static / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable on {hw.name}"
+    try:
+        check_config(model, hw, cfg)
+        mem = memory(model, cfg)
+    except (ValueError, ScheduleError) as e:
+        return str(e)
+    peak = max(m["total"] for m in mem)
+    if peak > usable:
+        worst = max(mem, key=lambda m: m["total"])
+        return (f"needs {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable on {hw.name} "
+                f"(activations {worst['activations'] / GIB:.1f}, model state "
+                f"{(worst['total'] - worst['activations'] - worst['working']) / GIB:.1f})")
+    return None
+
+
 def plan(model: ModelProfile, hw: Hardware, gpus: int, global_batch: int, space: SearchSpace = SearchSpace(),
          top: int = 5) -> PlanResult:
     """The `top` fastest fitting configurations, best first, and the most promising rejected ones."""
@@ -314,7 +340,6 @@ def plan(model: ModelProfile, hw: Hardware, gpus: int, global_batch: int, space:
     fallback = stock_fallback_layouts(configs + [c for c, _ in bad if c is not None])
     bounds = _Bounds(model, hw)
     flops = model.model_flops_per_sequence() * global_batch
-    usable = hw.usable_memory_bytes
 
     def ub(cfg: Config) -> float:
         return flops / bounds.step_lower_bound(cfg, cfg.partition(model)) / gpus / 1e12
@@ -326,25 +351,9 @@ def plan(model: ModelProfile, hw: Hardware, gpus: int, global_batch: int, space:
     for bound, _, cfg in ranked:
         if len(fitting) >= top and bound < fitting[top - 1].tflops_per_gpu:
             break
-        part = cfg.partition(model)
-        static = bounds.static_memory(cfg, part)
-        if static > usable:
-            rejected.append(Rejection(cfg, f"model state alone needs {static / GIB:.1f} GiB > {usable / GIB:.1f} GiB "
-                                           f"usable on {hw.name}", bound))
-            continue
-        try:
-            check_config(model, hw, cfg)
-            mem = memory(model, cfg)
-        except (ValueError, ScheduleError) as e:
-            rejected.append(Rejection(cfg, str(e), bound))
-            continue
-        peak = max(m["total"] for m in mem)
-        if peak > usable:
-            worst = max(mem, key=lambda m: m["total"])
-            rejected.append(Rejection(cfg, f"needs {peak / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable on {hw.name} "
-                                           f"(activations {worst['activations'] / GIB:.1f}, model state "
-                                           f"{(worst['total'] - worst['activations'] - worst['working']) / GIB:.1f})",
-                                      bound))
+        why = unfit_reason(model, hw, cfg, bounds)
+        if why is not None:
+            rejected.append(Rejection(cfg, why, bound))
             continue
         p = predict(model, hw, cfg)
         simulated += 1
