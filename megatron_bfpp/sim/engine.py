@@ -166,8 +166,11 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
       input-gradient part where the stage's backward is split, the whole backward on the first stage, whose
       reduction needs its weight gradients), each hop's transfer, then the first stage's gradient reduction
       (its last bucket where bucketed). At M < P this is the bound.
-    - A rank's work: its first forward waits for its STEPs and for the first micro-batch to come down the stages
-      before it; then every F and backward of its stages, and the reduction of the stage it ends with."""
+    - A rank's work: every F and backward of its stages, each no earlier than its micro-batch can reach it (the
+      k-th to start on the first stage, then down the stages before it, or down every stage and back up, each
+      hop's transfer), its F's after its STEPs; then the reduction of the stage it ends with. The fill, each
+      forward round's wait for its first micro-batch and, at M <= P, the turn from forwards to backwards are
+      in it."""
     sched = _lowered(schedule)
     n, pp, m = sched.num_stages, sched.pp, sched.microbatches
     fwd, bwd, share = costs.forward, costs.backward, costs.input_grad_share
@@ -192,19 +195,39 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
     elif costs.dp_overlap and zero in (1, 2, None) and costs.param_sync[0] > 0:
         ready = max(0.0, costs.param_sync[0] / max(1, costs.param_sync_buckets[0]) - costs.param_sync_lead[0])
     chain = ready + (m - 1) * fwd[0] + sum(fwd) + sum(hops[:n - 1])
-    backward = [0.0] * n if sched.forward_only else bwd
     if not sched.forward_only:
         split_stages = {s for s, _ in sched.split_pairs()}
         chain += bwd[0] + sum(bwd[s] * (share[s] if s in split_stages else 1.0) for s in range(1, n))
         if pp > 1:
             chain += sum(costs.send_backward[1:])
         chain += reduce_tail(0)
-    # A rank's STEPs run on its compute stream before its first forward; its last computation is a backward
-    # (B or W) of one of its stages, whose reduction follows it.
+    # A rank's work, as one machine with release times (earliest-release order is optimal there): each of its
+    # F's and backwards no earlier than the micro-batch it serves can reach it (the k-th forward of the first
+    # stage starts after k others; then the stages before it, or down every stage and back up, with every hop),
+    # its F's after its STEPs, which run on its compute stream first; the last computation is a backward of one
+    # of its stages, whose reduction follows it. This holds the fill, the waits of each forward round for its
+    # first micro-batch and, at M <= P, the turn from forwards to backwards.
     steps = [sum(costs.step[s] for s in sched.stages_of(r)) if has_step else 0.0 for r in range(pp)]
-    work = max(max(steps[r], ready + sum(fwd[s] + hops[s] for s in range(r)))
-               + m * sum(fwd[s] + backward[s] for s in sched.stages_of(r))
-               + min(reduce_tail(s) for s in sched.stages_of(r)) for r in range(pp))
+    back_hops = costs.send_backward if pp > 1 else [0.0] * n
+    down = [ready]  # down[s]: micro-batch 0 reaches stage s's forward
+    for s in range(n):
+        down.append(down[-1] + fwd[s] + (hops[s] if s < n - 1 else 0.0))
+    up = [0.0] * n  # up[s]: from the last forward's end to stage s's backward
+    if not sched.forward_only:
+        for s in range(n - 2, -1, -1):
+            up[s] = up[s + 1] + bwd[s + 1] * (share[s + 1] if s + 1 in split_stages else 1.0) + back_hops[s + 1]
+    work = 0.0
+    for r in range(pp):
+        jobs = []
+        for s in sched.stages_of(r):
+            for k in range(m):
+                jobs.append((max(steps[r], down[s] + k * fwd[0]), fwd[s]))
+                if not sched.forward_only:
+                    jobs.append((down[n] + k * fwd[0] + up[s], bwd[s]))
+        t = 0.0
+        for release, dur in sorted(jobs):
+            t = max(t, release) + dur
+        work = max(work, t + min(reduce_tail(s) for s in sched.stages_of(r)))
     end = costs.grad_norm if has_step else max(costs.optimizer) + _post_step_param_sync_s(sched, costs)
     return max(chain, work) + end
 

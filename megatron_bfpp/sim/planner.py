@@ -139,6 +139,7 @@ def _candidate_dict(p: Prediction) -> dict:
         "config": config_dict(p.config),
         "tflops_per_gpu": p.tflops_per_gpu,
         "step_time_s": p.step_time_s,
+        "step_lower_bound_s": p.step_lower_bound_s,
         "peak_memory_gib": p.peak_memory_gib,
         "fits": p.fits,
         "mfu": p.mfu,

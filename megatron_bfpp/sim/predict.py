@@ -110,7 +110,8 @@ class Prediction:
     optimizer_exposed_s: float = 0.0
     # No order of this layout's stages steps faster (`engine.step_lower_bound_s`): one micro-batch's chain
     # through every stage and back with the first stage's collectives around it (the bound at M < P), or a
-    # rank's work after the pipeline's fill.
+    # rank's work, each action no earlier than its micro-batch can reach the rank (the fill and, at M <= P,
+    # each forward round's wait and the turn from forwards to backwards).
     step_lower_bound_s: float = 0.0
     events: list[TimelineEvent] = field(default_factory=list, repr=False)
 

@@ -95,3 +95,16 @@ def test_ceiling_is_above_what_the_planner_reaches() -> None:
     ours = plan(model, hw, 16, 8, SearchSpace(), top=1).candidates[0]
     assert bound <= ours.step_time_s * (1 + 1e-12)  # equal where the bound is exact
     assert bound == pytest.approx(step_lower_bound_s(schedule_for(cfg), analytic_costs(hw, cfg.partition(model), cfg)))
+
+
+def test_rank_work_holds_the_turn_from_forwards_to_backwards() -> None:
+    """P = V = M = 2, F = 1, backward = 2, free transfers and collectives: by hand, rank 0's backwards of stage
+    2 cannot start before micro-batch 0 has gone down all four stages and back through stage 3 (time 6), those
+    of stage 0 before it is back through stages 3, 2, 1 (time 10), the second micro-batch's one later each: in
+    earliest-release order rank 0 ends at 14, above the longest chain (13) and its bare work (12)."""
+    n, pp = 4, 2
+    costs = Costs([1.0] * n, [2.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * pp,
+                  grad_norm=0.0, dp_overlap=True, p2p_overlap=True)
+    sched = ScheduleSpec("breadth-first", pp, 2, 2).build()
+    assert step_lower_bound_s(sched, costs) == pytest.approx(14.0, rel=1e-12)
+    assert simulate_schedule(sched, costs, record_events=False).step_time_s >= 14.0 - 1e-12

@@ -150,6 +150,7 @@ def test_cli_stock_flag_reaches_the_stock_search(capsys: pytest.CaptureFixture) 
     assert {"candidates", "rejected", "searched", "simulated", "notes"} <= set(ours)
     assert {"config", "tflops_per_gpu", "step_time_s", "peak_memory_gib", "fits", "mfu", "bubble_fraction",
             "exposed_dp_s", "exposed_pp_s"} <= set(ours["candidates"][0])
+    assert all(0 < c["step_lower_bound_s"] <= c["step_time_s"] for c in ours["candidates"] + stock["candidates"])
     for argv, message in ((("--pipeline-schedule", "breadth-first"), "drop --pipeline-schedule breadth-first"),
                           (("--zero-stage", "3"), "drop --zero-stage"),
                           (("--dp-overlap", "off"), "every overlap on"),
