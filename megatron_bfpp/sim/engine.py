@@ -158,7 +158,7 @@ def _post_step_param_sync_s(sched: Schedule, costs: Costs) -> float:
 
 def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
     """A step time that no order of `schedule`'s stages beats under `costs` and the rules of
-    `simulate_schedule`: the larger of two paths every order contains, each followed by what ends the step (the
+    `simulate_schedule`: the larger of two things every order contains, each followed by what ends the step (the
     gradient norm with STEP actions, the optimizer outside the schedule otherwise).
 
     - One micro-batch's chain: the one whose first forward starts last (after the first stage's parameters are
