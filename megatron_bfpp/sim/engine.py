@@ -161,20 +161,24 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
     `simulate_schedule`: the larger of two things every order contains, each followed by what ends the step (the
     gradient norm with STEP actions, the optimizer outside the schedule otherwise).
 
-    - One micro-batch's chain: the one whose first forward starts last (after the first stage's parameters are
-      ready and M - 1 forwards of that stage), its forward through every stage and its backward back (the
-      input-gradient part where the stage's backward is split, the whole backward on the first stage, whose
-      reduction needs its weight gradients), each hop's transfer, then the first stage's gradient reduction
-      (its last bucket where bucketed). At M < P this is the bound.
-    - A rank's work: every F and backward of its stages, each no earlier than its micro-batch can reach it (the
-      k-th to start on the first stage, then down the stages before it, or down every stage and back up, each
-      hop's transfer), its F's after its STEPs; then the reduction of the stage it ends with. The fill, each
-      forward round's wait for its first micro-batch and, at M <= P, the turn from forwards to backwards are
-      in it."""
+    Both rest on when the k-th forward (backward) of each stage can start at the earliest, as in a flow shop:
+    after the k-th of the stage before (after) it and its hop, and after k others of its own; the first stage's
+    after its parameters are ready, a rank's F's after its STEPs, and the last stage's k-th backward after its
+    rank ran k + 1 of its forwards and k of its backwards (the input-gradient part where split).
+
+    - The first stage's last backward (the whole backward: its reduction needs the weight gradients), then its
+      gradient reduction (its last bucket where bucketed): the last micro-batch's chain, the bound at M < P.
+    - A rank's work: every F and backward of its stages, each no earlier than above, in the order of those
+      times (the best order for one machine with release times); then the reduction of the stage it ends
+      with. The fill, each forward round's wait for its first micro-batch and, at M <= P, the turn from
+      forwards to backwards and the last stage's pace are in it. Its data-parallel stream likewise: every
+      gradient reduction of its stages, each after a backward of that stage has started (the stage's last
+      reduction after its last backward has)."""
     sched = _lowered(schedule)
     n, pp, m = sched.num_stages, sched.pp, sched.microbatches
     fwd, bwd, share = costs.forward, costs.backward, costs.input_grad_share
     hops = costs.send_forward if pp > 1 else [0.0] * n
+    back_hops = costs.send_backward if pp > 1 else [0.0] * n
     has_step = _has_step(sched)
     zero = sched.zero_stage
     reduced = {a.stage for acts in sched.ranks for a in acts if a.op is Op.REDUCE}
@@ -194,40 +198,44 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
             ready = costs.step[0] + costs.param_sync[0] / max(1, costs.param_sync_buckets[0])
     elif costs.dp_overlap and zero in (1, 2, None) and costs.param_sync[0] > 0:
         ready = max(0.0, costs.param_sync[0] / max(1, costs.param_sync_buckets[0]) - costs.param_sync_lead[0])
-    chain = ready + (m - 1) * fwd[0] + sum(fwd) + sum(hops[:n - 1])
-    if not sched.forward_only:
-        split_stages = {s for s, _ in sched.split_pairs()}
-        chain += bwd[0] + sum(bwd[s] * (share[s] if s in split_stages else 1.0) for s in range(1, n))
-        if pp > 1:
-            chain += sum(costs.send_backward[1:])
-        chain += reduce_tail(0)
-    # A rank's work, as one machine with release times (earliest-release order is optimal there): each of its
-    # F's and backwards no earlier than the micro-batch it serves can reach it (the k-th forward of the first
-    # stage starts after k others; then the stages before it, or down every stage and back up, with every hop),
-    # its F's after its STEPs, which run on its compute stream first; the last computation is a backward of one
-    # of its stages, whose reduction follows it. This holds the fill, the waits of each forward round for its
-    # first micro-batch and, at M <= P, the turn from forwards to backwards.
+    # A rank's STEPs run on its compute stream before its first forward.
     steps = [sum(costs.step[s] for s in sched.stages_of(r)) if has_step else 0.0 for r in range(pp)]
-    back_hops = costs.send_backward if pp > 1 else [0.0] * n
-    down = [ready]  # down[s]: micro-batch 0 reaches stage s's forward
+    fstart = [[0.0] * m for _ in range(n)]  # fstart[s][k]: the k-th forward of stage s starts no earlier
     for s in range(n):
-        down.append(down[-1] + fwd[s] + (hops[s] if s < n - 1 else 0.0))
-    up = [0.0] * n  # up[s]: from the last forward's end to stage s's backward
-    if not sched.forward_only:
-        for s in range(n - 2, -1, -1):
-            up[s] = up[s + 1] + bwd[s + 1] * (share[s + 1] if s + 1 in split_stages else 1.0) + back_hops[s + 1]
-    work = 0.0
-    for r in range(pp):
-        jobs = []
-        for s in sched.stages_of(r):
+        for k in range(m):
+            fstart[s][k] = max(ready if s == 0 else fstart[s - 1][k] + fwd[s - 1] + hops[s - 1],
+                               fstart[s][k - 1] + fwd[s] if k else 0.0, steps[sched.rank_of(s)])
+    if sched.forward_only:
+        chain = fstart[n - 1][m - 1] + fwd[n - 1]
+        bstart: list[list[float]] = []
+    else:
+        split_stages = {s for s, _ in sched.split_pairs()}
+        grad = [bwd[s] * (share[s] if s in split_stages else 1.0) for s in range(n)]  # what stage s - 1 waits for
+        bstart = [[0.0] * m for _ in range(n)]  # bstart[s][k]: the k-th backward of stage s starts no earlier
+        for s in range(n - 1, -1, -1):
             for k in range(m):
-                jobs.append((max(steps[r], down[s] + k * fwd[0]), fwd[s]))
-                if not sched.forward_only:
-                    jobs.append((down[n] + k * fwd[0] + up[s], bwd[s]))
+                after = (max(fstart[s][k] + fwd[s], fstart[s][0] + (k + 1) * fwd[s] + k * grad[s]) if s == n - 1
+                         else bstart[s + 1][k] + grad[s + 1] + back_hops[s + 1])
+                bstart[s][k] = max(after, bstart[s][k - 1] + grad[s] if k else 0.0)
+        chain = bstart[0][m - 1] + bwd[0] + reduce_tail(0)
+
+    def one_machine(jobs: list[tuple[float, float]]) -> float:
+        """When (release, duration) jobs on one stream end at the earliest: in order of release."""
         t = 0.0
         for release, dur in sorted(jobs):
             t = max(t, release) + dur
-        work = max(work, t + min(reduce_tail(s) for s in sched.stages_of(r)))
+        return t
+
+    work = 0.0
+    for r in range(pp):
+        jobs = [(fstart[s][k], fwd[s]) for s in sched.stages_of(r) for k in range(m)]
+        jobs += [(bstart[s][k], bwd[s]) for s in sched.stages_of(r) for k in range(m) if bstart]
+        work = max(work, one_machine(jobs) + min(reduce_tail(s) for s in sched.stages_of(r)))
+        # Its data-parallel stream: each gradient reduction of a stage after a backward of it has started, the
+        # last after the last one has.
+        reduces = [a.stage for a in sched.ranks[r] if a.op is Op.REDUCE]
+        work = max(work, one_machine([(bstart[s][m - 1 if s not in reduces[i + 1:] else 0], costs.reduce[s])
+                                      for i, s in enumerate(reduces)]))
     end = costs.grad_norm if has_step else max(costs.optimizer) + _post_step_param_sync_s(sched, costs)
     return max(chain, work) + end
 

@@ -108,10 +108,9 @@ class Prediction:
     # Of the optimizer (and gradient norm), what the step waits for: the most over ranks (`EngineResult`);
     # equal to `optimizer_s` when the optimizer is outside the schedule.
     optimizer_exposed_s: float = 0.0
-    # No order of this layout's stages steps faster (`engine.step_lower_bound_s`): one micro-batch's chain
-    # through every stage and back with the first stage's collectives around it (the bound at M < P), or a
-    # rank's work, each action no earlier than its micro-batch can reach the rank (the fill and, at M <= P,
-    # each forward round's wait and the turn from forwards to backwards).
+    # No order of this layout's stages steps faster (`engine.step_lower_bound_s`): the first stage's last
+    # backward and reduction, or a rank's compute or data-parallel stream, each action no earlier than it can
+    # start in any order.
     step_lower_bound_s: float = 0.0
     events: list[TimelineEvent] = field(default_factory=list, repr=False)
 

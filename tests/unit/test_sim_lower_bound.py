@@ -97,14 +97,28 @@ def test_ceiling_is_above_what_the_planner_reaches() -> None:
     assert bound == pytest.approx(step_lower_bound_s(schedule_for(cfg), analytic_costs(hw, cfg.partition(model), cfg)))
 
 
-def test_rank_work_holds_the_turn_from_forwards_to_backwards() -> None:
-    """P = V = M = 2, F = 1, backward = 2, free transfers and collectives: by hand, rank 0's backwards of stage
-    2 cannot start before micro-batch 0 has gone down all four stages and back through stage 3 (time 6), those
-    of stage 0 before it is back through stages 3, 2, 1 (time 10), the second micro-batch's one later each: in
-    earliest-release order rank 0 ends at 14, above the longest chain (13) and its bare work (12)."""
+def test_rank_work_holds_the_turn_and_the_last_stage_pace() -> None:
+    """P = V = M = 2, F = 1, backward = 2, free transfers and collectives, by hand: stage s's k-th forward
+    starts at s + k at the earliest; the last stage's second backward after its rank ran two forwards and one
+    backward of it (3 + 2 + 2 = 7), each backward of the stages above it 2 later per stage (rank 0: stage 2 at
+    6 and 9, stage 0 at 10 and 13); in earliest-release order rank 0 ends at 15, which breadth-first reaches,
+    above the longest single chain (13) and rank 0's bare work (12)."""
     n, pp = 4, 2
     costs = Costs([1.0] * n, [2.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * pp,
                   grad_norm=0.0, dp_overlap=True, p2p_overlap=True)
     sched = ScheduleSpec("breadth-first", pp, 2, 2).build()
-    assert step_lower_bound_s(sched, costs) == pytest.approx(14.0, rel=1e-12)
-    assert simulate_schedule(sched, costs, record_events=False).step_time_s >= 14.0 - 1e-12
+    assert step_lower_bound_s(sched, costs) == pytest.approx(15.0, rel=1e-12)
+    assert simulate_schedule(sched, costs, record_events=False).step_time_s == pytest.approx(15.0, rel=1e-12)
+
+
+def test_data_parallel_stream_holds_every_reduction() -> None:
+    """P = 1, V = 3, M = 1, ZeRO-1, F = 1, backward = 2, a reduction of 10 per stage, by hand: the backwards start
+    at 3, 5 and 7 at the earliest and each stage's reduction after its backward has started, one after the other
+    on the rank's data-parallel stream: 3 + 3 * 10 = 33, above the rank's compute and its last reduction (19).
+    The simulation reduces after each backward ends: 5 + 30."""
+    n = 3
+    costs = Costs([1.0] * n, [2.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [10.0] * n, [0.0] * n, [0.0],
+                  grad_norm=0.0, dp_overlap=True, p2p_overlap=True)
+    sched = ScheduleSpec("breadth-first", 1, n, 1, zero_stage=1, optimizer_step=False).build()
+    assert step_lower_bound_s(sched, costs) == pytest.approx(33.0, rel=1e-12)
+    assert simulate_schedule(sched, costs, record_events=False).step_time_s == pytest.approx(35.0, rel=1e-12)
