@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from tests.support.paths import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3",
@@ -50,12 +52,7 @@ def test_bad_flag_is_one_line_before_any_worker_starts(subprocesses):
 
 @pytest.fixture(scope="module")
 def small_vocab_data(tmp_path_factory) -> str:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("text_to_megatron", os.path.join(ROOT, "scripts",
-                                                                                  "text_to_megatron.py"))
-    t2m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(t2m)
+    t2m = load_script("scripts/text_to_megatron.py", "text_to_megatron")
     prefix = str(tmp_path_factory.mktemp("data") / "tiny")
     assert t2m.main([os.path.join(ROOT, "tests", "support", "data", "tiny_corpus.txt"), prefix]) == 0  # byte ids up to 256
     return prefix

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPORT_GUARD = ROOT / "tests" / "support" / "import_guard"
@@ -23,3 +25,11 @@ def megatron_lm_dir() -> str | None:
         return explicit
     beside = ROOT.parent / "shared" / "megatron-lm" / "core_v0.19.0"
     return str(beside) if (beside / "pretrain_gpt.py").is_file() else None
+
+
+def load_script(relative: str, name: str) -> ModuleType:
+    """A script of the clone that is not a package module (bench/*.py, scripts/*.py), imported from its path."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

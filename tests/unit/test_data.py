@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_bfpp.train import data, model as mm, parallel
+from tests.support.paths import load_script
 from tests.support.reference import run_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -18,14 +18,7 @@ VOCAB = 257  # the script's default: 256 bytes + end-of-document
 SEQ = 32
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("text_to_megatron", os.path.join(ROOT, "scripts", "text_to_megatron.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-t2m = _script()
+t2m = load_script("scripts/text_to_megatron.py", "text_to_megatron")
 
 
 @pytest.fixture(scope="module", autouse=True)

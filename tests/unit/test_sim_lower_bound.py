@@ -12,6 +12,7 @@ from megatron_bfpp.sim import (SearchSpace, analytic_costs, get_hardware, get_mo
                                step_lower_bound_s)
 from megatron_bfpp.sim.costs import Config, Costs
 from megatron_bfpp.sim.predict import predict, schedule_for
+from tests.support.paths import load_script
 
 
 def _costs(n: int, pp: int, *, dp_overlap: bool = True, p2p_overlap: bool = True, buckets: int = 1) -> Costs:
@@ -83,13 +84,7 @@ def test_predictions_carry_the_bound(batch: int, layout: tuple) -> None:
 
 def test_ceiling_is_above_what_the_planner_reaches() -> None:
     """bench/regime_table.py's ceiling: the smallest bound over every layout is no larger than the best plan's step."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "bench" / "regime_table.py"
-    spec = importlib.util.spec_from_file_location("bench_regime_table", path)
-    regime = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(regime)
+    regime = load_script("bench/regime_table.py", "bench_regime_table")
     model, hw = get_model("gpt-1.3b"), get_hardware("dgx-a100")
     bound, cfg = regime.smallest_lower_bound(model, hw, 16, 8)
     ours = plan(model, hw, 16, 8, SearchSpace(), top=1).candidates[0]

@@ -2,7 +2,6 @@
 --stock`): only what stock Megatron-Core runs, its fallback to 1F1B at M < P, its parameter gather overlapped with
 the optimizer step, and the benchmarks' "vs Megatron" ratios built on it. Small configurations: pure Python, fast."""
 
-import importlib.util
 import json
 from fractions import Fraction
 
@@ -15,7 +14,7 @@ from megatron_bfpp.sim import (
 )
 from megatron_bfpp.sim.cli import plan_main
 from megatron_bfpp.sim.planner import enumerate_configs
-from tests.support.paths import ROOT
+from tests.support.paths import load_script
 
 H200 = get_hardware("h200")
 GPT13 = get_model("gpt-1.3b")
@@ -161,10 +160,7 @@ def test_cli_stock_flag_reaches_the_stock_search(capsys: pytest.CaptureFixture) 
 
 
 def _bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"bench/{name}.py", f"bench_{name}")
 
 
 def test_benchmark_ratios_use_the_stock_search() -> None:
