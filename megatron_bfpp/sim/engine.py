@@ -156,6 +156,14 @@ def _post_step_param_sync_s(sched: Schedule, costs: Costs) -> float:
     return max(sum(costs.param_sync[s] for s in sched.stages_of(r)) for r in range(sched.pp))
 
 
+def _earliest_end(jobs: list[tuple[float, float]]) -> float:
+    """When (release, duration) jobs on one stream end at the earliest: in order of release."""
+    t = 0.0
+    for release, dur in sorted(jobs):
+        t = max(t, release) + dur
+    return t
+
+
 def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
     """A step time that no order of `schedule`'s stages beats under `costs` and the rules of
     `simulate_schedule`: the larger of two things every order contains, each followed by what ends the step (the
@@ -181,7 +189,8 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
     back_hops = costs.send_backward if pp > 1 else [0.0] * n
     has_step = _has_step(sched)
     zero = sched.zero_stage
-    reduced = {a.stage for acts in sched.ranks for a in acts if a.op is Op.REDUCE}
+    reduces = [[a.stage for a in acts if a.op is Op.REDUCE] for acts in sched.ranks]  # per rank, in list order
+    reduced = {s for stages in reduces for s in stages}
 
     def reduce_tail(s: int) -> float:
         """How long stage s's reduction outlasts its last backward at the least (its last bucket)."""
@@ -219,23 +228,17 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
                 bstart[s][k] = max(after, bstart[s][k - 1] + grad[s] if k else 0.0)
         chain = bstart[0][m - 1] + bwd[0] + reduce_tail(0)
 
-    def one_machine(jobs: list[tuple[float, float]]) -> float:
-        """When (release, duration) jobs on one stream end at the earliest: in order of release."""
-        t = 0.0
-        for release, dur in sorted(jobs):
-            t = max(t, release) + dur
-        return t
-
     work = 0.0
     for r in range(pp):
         jobs = [(fstart[s][k], fwd[s]) for s in sched.stages_of(r) for k in range(m)]
-        jobs += [(bstart[s][k], bwd[s]) for s in sched.stages_of(r) for k in range(m) if bstart]
-        work = max(work, one_machine(jobs) + min(reduce_tail(s) for s in sched.stages_of(r)))
+        if not sched.forward_only:
+            jobs += [(bstart[s][k], bwd[s]) for s in sched.stages_of(r) for k in range(m)]
+        work = max(work, _earliest_end(jobs) + min(reduce_tail(s) for s in sched.stages_of(r)))
         # Its data-parallel stream: each gradient reduction of a stage after a backward of it has started, the
-        # last after the last one has.
-        reduces = [a.stage for a in sched.ranks[r] if a.op is Op.REDUCE]
-        work = max(work, one_machine([(bstart[s][m - 1 if s not in reduces[i + 1:] else 0], costs.reduce[s])
-                                      for i, s in enumerate(reduces)]))
+        # stage's last one after its last backward has.
+        last = {s: i for i, s in enumerate(reduces[r])}
+        work = max(work, _earliest_end([(bstart[s][m - 1 if last[s] == i else 0], costs.reduce[s])
+                                        for i, s in enumerate(reduces[r])]))
     end = costs.grad_norm if has_step else max(costs.optimizer) + _post_step_param_sync_s(sched, costs)
     return max(chain, work) + end
 
