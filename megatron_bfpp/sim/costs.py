@@ -1,44 +1,39 @@
 """Cost model: time of every schedule action and memory per rank, from a hardware and a model profile.
 
-Compute. Each GEMM of m x k x n costs `max(2mkn / (peak * gemm_efficiency), bytes / (HBM * memory_efficiency))
-+ kernel_overhead`. The fixed overhead gives the achieved-efficiency curve
+Compute. Per-op kernel times of a decoder layer, the output layer and the embedding come from `layer_costs`
+(GEMMs at measured rates with a per-kernel overhead, flash or unfused attention, elementwise traffic, tensor- and
+context-parallel communication, MoE dispatch and experts, FP8 casts; its docstring gives each term). A stage's F is
+the sum over its layers (dense and MoE layers differ), plus the embedding on the first stage and the output layer on
+the last; its B the backward ops, plus the recomputed forward of its recomputed layers (full recomputation, all or
+`recompute_num_layers` of them) or of its core attention (selective recomputation).
 
-    efficiency(f) = gemm_efficiency * f / (f + f_half),   f_half = kernel_overhead * peak * gemm_efficiency,
-
-which falls for small matrices (f = FLOPs of the GEMM) and is capped by memory bandwidth for thin ones; both
-parameters are calibration values of the hardware profile. A layer is its four weight GEMMs (QKV, projection,
-fc1, fc2 on the tensor-parallel shard), the attention matmuls (flash-style, same curve), elementwise work
-(LayerNorm, GeLU, dropout, residual: about 38 bytes per token and hidden unit, bandwidth-bound) and, with
-T > 1, the sequence-parallel all-gathers / reduce-scatters on NVLink (two of each per layer and direction,
-not overlapped: Megatron's default). Backward = dgrad + wgrad GEMMs (twice the forward) plus the same
-communication; full recomputation adds one forward to every backward.
-
-Split backward (schedules with I and W ops). The backward time of a stage is shared between I (the gradient
-of the stage input) and W (the weight gradients) by FLOPs, per Qi et al. (ICLR 2024) Table 1: per layer
-I = sbh(24h + 8s), W = 24sbh^2 (`ModelProfile.layer_backward_flops`); the output layer and loss half and half;
-a recomputed forward belongs to I (the input gradient cannot start without it). `Costs.input_grad_share`
-carries I / (I + W) per stage. Two other costs of a W: `Config.w_at_input_grad` models layers that cannot
-defer their weight GEMMs, as the runtime runs them on Megatron-Core chunks (TransformerEngine older than 2.3,
-Megatron's own deferred embedding wgrad): I is the whole backward and W does nothing, so the split
-schedules are their order with B at the I's. `Config.w_reruns_input_grad` models a split on the autograd graph
-of layers that are one autograd Function (what the runtime does on chunks without Megatron-Core modules): W
-re-runs the node's whole backward, so the input-gradient GEMMs are paid twice.
+Split backward (schedules with I and W ops). W is the weight-gradient GEMMs of the stage's ops, I the rest of the
+backward (the input-gradient GEMMs, attention, elementwise, communication) plus any recomputed forward (the input
+gradient cannot start without it); `Costs.input_grad_share` carries I / (I + W) per stage. For a GPT layer this is
+Qi et al.'s (ICLR 2024, Table 1) split by FLOPs: I = sbh(24h + 8s), W = 24sbh^2. Two other costs of a W:
+`Config.w_at_input_grad` models layers that cannot defer their weight GEMMs (TransformerEngine older than 2.3,
+Megatron's own deferred embedding wgrad): I is the whole backward and W does nothing, so the split schedules are
+their order with B at the I's. `Config.w_reruns_input_grad` models a split on the autograd graph of layers that
+are one autograd Function: W re-runs the node's whole backward, so the input-gradient GEMMs are paid twice.
 
 Communication. p2p: fixed overhead + link latency + bytes / achieved bandwidth, on NVLink when both pipeline
 ranks share a node, else InfiniBand. Data-parallel collectives are hierarchical rings: a ring inside the node
 over NVLink, then a ring across nodes over InfiniBand on 1/n_in of the data (n_in data-parallel peers per node,
-each with its own NIC). Ranks are laid out as Megatron does: tensor-parallel fastest, then data-parallel,
-then pipeline.
+each with its own NIC); gradients go over the data- x context-parallel ranks (Megatron's dp-cp group), routed
+experts' over the expert-data-parallel ranks. Ranks are laid out as Megatron does (`tp-cp-ep-dp-pp`): tensor-parallel
+fastest, then context-, data-parallel, then pipeline; an expert-parallel group spans ETP x EP consecutive ranks.
 
 Memory per rank (bytes per parameter; mixed precision with fp32 gradients and Adam, as Megatron with bf16):
 ZeRO-0 (plain DDP) 2 + 4 + 12; ZeRO-1 2 + 4 + 12/D; ZeRO-2 2 + 4/D + 12/D + gradient buffers for
-`grad_buffers` stages; ZeRO-3 (2 + 4 + 12)/D + weight buffers for `weight_buffers` stages + gradient buffers.
+`grad_buffers` stages; ZeRO-3 (2 + 4 + 12)/D + weight buffers for `weight_buffers` stages + gradient buffers; D is
+the data- x context-parallel size for dense parameters and the expert-data-parallel size for routed experts.
 Activations come from the schedule's own order (see `peak_activation_bytes`); an I frees a micro-batch's
 activations except what its pending W keeps (`Partition.pending_weight_grad_bytes`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,57 +41,26 @@ from ..schedule import COMPUTE_OPS, Op, Schedule
 from ..schedule.ir import INPUT_GRAD_OPS
 from ..schedule.kinds import SPLIT_BACKWARD_SCHEDULES
 from .hardware import Hardware
+from .layer_costs import (ADAM_BYTES_PER_PARAM, GRAD_BYTES, PARAM_BYTES, all_to_all_time, embedding_ops, gemm_time,
+                          group_span, head_ops, layer_ops, p2p_time, ring_time)
 from .model import EVEN_STAGES, ModelProfile, Partition, StageSplit
 
-ELEMENTWISE_BYTES_PER_TOKEN_HIDDEN = 38  # LN in/out 4+4, GeLU on 4h 16, two dropout+residual 7+7 (bf16)
-ELEMENTWISE_KERNELS_PER_LAYER = 8
-ADAM_BYTES_PER_PARAM = 30  # read grad, master, m, v (16), write master, m, v (12), write bf16 weight (2)
-GRAD_BYTES = 4  # fp32 gradient reduction (Megatron's default with bf16)
-PARAM_BYTES = 2  # bf16 weights, as gathered
 
 
-# ---------------------------------------------------------------- compute
-
-def gemm_time(hw: Hardware, m: float, k: float, n: float, count: int = 1) -> float:
-    """Seconds for `count` bf16 GEMMs of m x k x n (roofline with a fixed per-kernel overhead)."""
-    flops = 2.0 * m * k * n
-    nbytes = 2.0 * (m * k + k * n + m * n)
-    t = max(flops / (hw.peak_flops * hw.gemm_efficiency), nbytes / (hw.hbm_bandwidth * hw.memory_efficiency))
-    return count * (t + hw.kernel_overhead_s)
-
-
-def ring_time(hw: Hardware, nbytes: float, n_in: int, n_out: int, kind: str) -> float:
-    """Hierarchical ring all-gather / reduce-scatter / all-reduce of a tensor of `nbytes` (full size) over
-    n_in ranks per node (NVLink) times n_out nodes (InfiniBand, 1/n_in of the data per NIC)."""
-    if n_in * n_out <= 1 or nbytes <= 0:
-        return 0.0
-    t = hw.collective_overhead_s
-    if n_in > 1:
-        t += (n_in - 1) / n_in * nbytes / hw.nvlink_bw + (n_in - 1) * hw.nvlink_latency_s
-    if n_out > 1:
-        t += (n_out - 1) / n_out * (nbytes / n_in) / hw.ib_bw + (n_out - 1) * hw.ib_latency_s
-    if kind == "all_reduce":  # reduce-scatter then all-gather
-        return 2 * t
-    if kind not in ("all_gather", "reduce_scatter"):
-        raise ValueError(f"unknown collective {kind!r}")
-    return t
-
-
-def p2p_time(hw: Hardware, nbytes: float, inter_node: bool) -> float:
-    if nbytes <= 0:
-        return 0.0
-    bw, lat = (hw.ib_bw, hw.ib_latency_s) if inter_node else (hw.nvlink_bw, hw.nvlink_latency_s)
-    return hw.collective_overhead_s + lat + nbytes / bw
-
+# ---------------------------------------------------------------- placement
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the T x D x P GPUs sit (Megatron order: tensor-parallel fastest, then data-parallel, then pipeline)."""
+    """Where the GPUs sit (Megatron order `tp-cp-ep-dp-pp`: tensor-parallel fastest, then context-, data-parallel,
+    then pipeline; expert groups ETP x EP consecutive ranks)."""
 
     hw: Hardware
     tp: int
     dp: int
     pp: int
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
 
     def __post_init__(self) -> None:
         g = self.hw.gpus_per_node
@@ -104,88 +68,131 @@ class Placement:
             raise ValueError(
                 f"--tensor-model-parallel-size {self.tp} must divide the {g} GPUs of a {self.hw.name} node"
             )
+        span = self.tp * self.cp * self.dp
+        if span % (self.ep * (self.etp or self.tp)):
+            raise ValueError(
+                f"--expert-model-parallel-size {self.ep} x --expert-tensor-parallel-size {self.etp or self.tp} must "
+                f"divide the T x CP x D = {span} ranks of a pipeline stage")
+
+    @property
+    def grad_group(self) -> tuple[int, int]:
+        """(ranks per node, nodes) of the data- x context-parallel group that reduces dense gradients."""
+        return group_span(self.hw, self.dp * self.cp, self.tp)
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the ranks holding the same routed-expert shard."""
+        return self.tp * self.cp * self.dp // (self.ep * (self.etp or self.tp))
+
+    @property
+    def expert_grad_group(self) -> tuple[int, int]:
+        return group_span(self.hw, self.edp, self.ep * (self.etp or self.tp))
 
     @property
     def dp_in_node(self) -> int:
-        return min(self.dp, self.hw.gpus_per_node // self.tp)
+        return self.grad_group[0]
 
     @property
     def dp_nodes(self) -> int:
-        return self.dp // self.dp_in_node
+        return self.grad_group[1]
 
     def pp_inter_node(self, src: int, dst: int) -> bool:
         """Whether pipeline ranks src and dst are on different nodes."""
-        span, g = self.tp * self.dp, self.hw.gpus_per_node
+        span, g = self.tp * self.cp * self.dp, self.hw.gpus_per_node
         return (src * span) // g != (dst * span) // g
 
 
-def layer_times(hw: Hardware, part: Partition, b: int) -> tuple[float, float]:
-    """(forward, backward without recompute) seconds of one transformer layer on one micro-batch, per GPU."""
-    fwd, bwd, _ = _layer_times(hw, part, b)
-    return fwd, bwd
+# ---------------------------------------------------------------- compute per layer and per stage
+
+def layer_times(hw: Hardware, part: Partition, b: int, layer: int = 0) -> tuple[float, float]:
+    """(forward, backward without recompute) seconds of decoder layer `layer` on one micro-batch, per GPU."""
+    ops = layer_ops(hw, part, b, layer)
+    return ops.forward, ops.backward
+
+
+def head_times(hw: Hardware, part: Partition, b: int) -> tuple[float, float]:
+    """(forward, backward) of the final norm, output layer and vocab-parallel cross entropy."""
+    ops = head_ops(hw, part, b)
+    return ops.forward, ops.backward
 
 
 def layer_input_grad_share(part: Partition) -> float:
-    """I / (I + W) of one transformer layer's backward, from FLOPs (independent of b and T)."""
+    """I / (I + W) of one (dense) transformer layer's backward by FLOPs (independent of b and T)."""
     i, w = part.model.layer_backward_flops(1)
     return i / (i + w)
 
 
-HEAD_INPUT_GRAD_SHARE = 0.5  # output layer: dX = dY W and dW = X^T dY are GEMMs of one size; the loss is tiny
-
-
 def split_backward_times(hw: Hardware, part: Partition, b: int, w_reruns_input_grad: bool = False,
-                         w_at_input_grad: bool = False) -> tuple[float, float, float, float]:
+                         w_at_input_grad: bool = False, layer: int = 0) -> tuple[float, float, float, float]:
     """(layer I, layer W, head I, head W) seconds on one micro-batch, per GPU, without recompute.
 
-    I + W equals the fused backward of `layer_times` / `head_times`, split by FLOPs; with
-    `w_reruns_input_grad` W also pays the input-gradient GEMMs a second time (a split on the autograd graph
-    of one-Function layers); with `w_at_input_grad` I is the whole backward and W nothing (layers that cannot
-    defer their weight GEMMs)."""
+    W is the weight-gradient GEMMs, I the rest of the backward; with `w_reruns_input_grad` W also pays the
+    input-gradient GEMMs a second time (a split on the autograd graph of one-Function layers); with
+    `w_at_input_grad` I is the whole backward and W nothing (layers that cannot defer their weight GEMMs)."""
     if w_reruns_input_grad and w_at_input_grad:
         raise ValueError("a W either re-runs the input-gradient GEMMs or runs at I, not both")
-    _, lb, gemms = _layer_times(hw, part, b)
+    lo, ho = layer_ops(hw, part, b, layer), head_ops(hw, part, b)
     if w_at_input_grad:
-        _, hb = head_times(hw, part, b)
-        return lb, 0.0, hb, 0.0
-    li = lb * layer_input_grad_share(part)
-    lw = lb - li
-    _, hb = head_times(hw, part, b)
-    hi = hb * HEAD_INPUT_GRAD_SHARE
-    hw_ = hb - hi
-    if w_reruns_input_grad:
-        m = part.model
-        lw += gemms
-        hw_ += gemm_time(hw, b * m.seq_length, m.hidden_size, m.vocab_size / part.tp)
+        return lo.backward, 0.0, ho.backward, 0.0
+    lw, hw_ = lo.weight_grad, ho.weight_grad
+    li, hi = lo.backward - lw, ho.backward - hw_
+    if w_reruns_input_grad:  # the input-gradient GEMMs (each the size of its weight-gradient GEMM) again
+        lw, hw_ = 2 * lw, 2 * hw_
     return li, lw, hi, hw_
 
 
-def _layer_times(hw: Hardware, part: Partition, b: int) -> tuple[float, float, float]:
-    """(forward, backward, weight-GEMM forward time) of one layer."""
-    m, t = part.model, part.tp
-    tokens, h, f, s = b * m.seq_length, m.hidden_size, m.ffn, m.seq_length
-    gemms = (gemm_time(hw, tokens, h, 3 * h / t) + gemm_time(hw, tokens, h / t, h)
-             + gemm_time(hw, tokens, h, f / t) + gemm_time(hw, tokens, f / t, h))
-    # attention scores and weighted sum: b * heads_local batched s x d x s matmuls, fused (flash-style)
-    attn_flops = 4.0 * b * s * s * h / t
-    attn = attn_flops / (hw.peak_flops * hw.gemm_efficiency) + hw.kernel_overhead_s
-    elementwise = (ELEMENTWISE_BYTES_PER_TOKEN_HIDDEN * tokens * h / t / (hw.hbm_bandwidth * hw.memory_efficiency)
-                   + ELEMENTWISE_KERNELS_PER_LAYER * hw.kernel_overhead_s)
-    tp_comm = 0.0
-    if t > 1:  # sequence parallel: all-gather before QKV and fc1, reduce-scatter after proj and fc2
-        tp_comm = 4 * ring_time(hw, 2.0 * tokens * h, t, 1, "all_gather")
-    fwd = gemms + attn + elementwise + tp_comm
-    bwd = 2 * gemms + 2.5 * attn + 2 * elementwise + tp_comm  # flash-attention backward ~2.5x its forward
-    return fwd, bwd, gemms
+@dataclass(frozen=True)
+class StageTimes:
+    """Per stage, seconds of its F, its fused B, and its I and W (split backward), one micro-batch, per GPU."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    input_grad: tuple[float, ...]
+    weight_grad: tuple[float, ...]
 
 
-def head_times(hw: Hardware, part: Partition, b: int) -> tuple[float, float]:
-    """(forward, backward) of the final LayerNorm, output layer and vocab-parallel cross entropy."""
-    m, t = part.model, part.tp
-    tokens = b * m.seq_length
-    gemm = gemm_time(hw, tokens, m.hidden_size, m.vocab_size / t)
-    ce = 12.0 * tokens * m.vocab_size / t / (hw.hbm_bandwidth * hw.memory_efficiency) + 4 * hw.kernel_overhead_s
-    return gemm + ce, 2 * gemm + ce
+@functools.lru_cache(maxsize=4096)
+def stage_times(hw: Hardware, part: Partition, b: int, recompute: bool = False, split_backward: bool = False,
+                w_reruns_input_grad: bool = False, w_at_input_grad: bool = False,
+                recompute_num_layers: int | None = None, selective_recompute: bool = False) -> StageTimes:
+    """Every stage's compute: its layers (dense and MoE op tables, each computed once), the embedding on the
+    first stage and the output layer on the last; recomputation as `Config` says."""
+    ops_of: dict[bool, tuple[float, float, float, float]] = {}
+
+    def layer(i: int) -> tuple[float, float, float, float]:
+        """(F, B, W, recomputed part of F under selective recomputation) of layer i."""
+        moe = part.model.is_moe_layer(i)
+        if moe not in ops_of:
+            o = layer_ops(hw, part, b, i)
+            ops_of[moe] = (o.forward, o.backward, o.weight_grad, o.fwd.get("attention", 0.0))
+        return ops_of[moe]
+
+    head, emb = head_ops(hw, part, b), embedding_ops(hw, part, b)
+    fwd, bwd, inp, wgt = [], [], [], []
+    for s in range(part.num_stages):
+        st = part.stage(s)
+        f = b_ = w = rc = 0.0
+        for n, i in enumerate(part.stage_layers(s)):
+            lf, lb, lw, attn = layer(i)
+            f, b_, w = f + lf, b_ + lb, w + lw
+            if recompute and (recompute_num_layers is None or n < recompute_num_layers):
+                rc += lf
+            elif selective_recompute and part.attention == "unfused":
+                rc += attn  # the core attention is recomputed, its s^2 activations not kept
+        for extra, on in ((emb, st.first), (head, st.last)):
+            if on:
+                f, b_, w = f + extra.forward, b_ + extra.backward, w + extra.weight_grad
+        if split_backward and w_at_input_grad:
+            i_, w = b_ + rc, 0.0
+        else:
+            i_ = b_ - w + rc
+            if split_backward and w_reruns_input_grad:
+                w = 2 * w
+        fwd.append(f)
+        bwd.append(i_ + w if split_backward else b_ + rc)
+        inp.append(i_)
+        wgt.append(w)
+    return StageTimes(tuple(fwd), tuple(bwd), tuple(inp), tuple(wgt))
 
 
 # ---------------------------------------------------------------- costs table consumed by the engine
@@ -324,6 +331,17 @@ class Config:
     # The optimizer is stock Megatron's, outside the schedule (its schedules and every Megatron baseline): the
     # step waits for the whole optimizer. Otherwise the schedule places it (STEP per stage at the step boundary).
     stock_optimizer: bool = False
+    # --- how the layers run (Megatron-LM's flags of the same names)
+    cp: int = 1  # --context-parallel-size
+    ep: int = 1  # --expert-model-parallel-size
+    etp: int | None = None  # --expert-tensor-parallel-size (default T)
+    sequence_parallel: bool = True  # --sequence-parallel (at T > 1)
+    attention: str = "flash"  # "unfused": --attention-backend local (scores materialised)
+    fp8: str | None = None  # --fp8-format with this --fp8-recipe; None: bf16 GEMMs
+    tp_comm_overlap: bool = False  # --tp-comm-overlap
+    moe_a2a_overlap: bool = False  # --overlap-moe-expert-parallel-comm
+    recompute_num_layers: int | None = None  # full recomputation of only the first N layers of a stage (block)
+    selective_recompute: bool = False  # --recompute-granularity selective (core attention)
 
     @property
     def optimizer_in_schedule(self) -> bool:
@@ -333,7 +351,11 @@ class Config:
 
     def partition(self, model: ModelProfile) -> Partition:
         """The model cut into this configuration's stages."""
-        return Partition(model, self.tp, self.pp, self.vp, self.split)
+        return _partition(model, self.tp, self.pp, self.vp, self.split, self.cp, self.ep, self.etp,
+                          self.sequence_parallel, self.attention, self.fp8, self.tp_comm_overlap, self.moe_a2a_overlap)
+
+    def placement(self, hw: Hardware) -> Placement:
+        return Placement(hw, self.tp, self.dp, self.pp, self.cp, self.ep, self.etp)
 
     @property
     def split_backward(self) -> bool:
@@ -341,71 +363,89 @@ class Config:
 
     @property
     def num_gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.microbatches * self.dp
 
 
+@functools.lru_cache(maxsize=4096)
+def _partition(model: ModelProfile, tp: int, pp: int, vp: int, split: StageSplit, cp: int, ep: int, etp: int | None,
+               sequence_parallel: bool, attention: str, fp8: str | None, tp_comm_overlap: bool,
+               moe_a2a_overlap: bool) -> Partition:
+    """One Partition per distinct cut (the planner asks for the same one for every schedule and ZeRO stage)."""
+    return Partition(model, tp, pp, vp, split, cp=cp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
+                     attention=attention, fp8=fp8, tp_comm_overlap=tp_comm_overlap, moe_a2a_overlap=moe_a2a_overlap)
+
+
 def analytic_costs(hw: Hardware, part: Partition, cfg: Config) -> Costs:
     """Costs of every action of `cfg` from the hardware and model profiles."""
     b, n_stages, pp = cfg.micro_batch_size, part.num_stages, cfg.pp
-    lf, lb = layer_times(hw, part, b)
-    hf, hb = head_times(hw, part, b)
-    li, lw, hi, hw_ = split_backward_times(hw, part, b, cfg.split_backward and cfg.w_reruns_input_grad,
-                                           cfg.split_backward and cfg.w_at_input_grad)
-    place = Placement(hw, cfg.tp, cfg.dp, pp)
-    fwd, bwd, sf, sb, ag, red, sync, rb, sbk, share = [], [], [], [], [], [], [], [], [], []
+    times = stage_times(hw, part, b, cfg.recompute, cfg.split_backward, cfg.w_reruns_input_grad,
+                        cfg.w_at_input_grad, cfg.recompute_num_layers, cfg.selective_recompute)
+    place = cfg.placement(hw)
+    sf, sb, ag, red, sync, rb, sbk, share = [], [], [], [], [], [], [], []
     for s in range(n_stages):
         st = part.stage(s)
-        f = st.layers * lf + (hf if st.last else 0.0)
-        recomputed = st.layers * lf if cfg.recompute else 0.0  # the head is not recomputed
-        i = st.layers * li + (hi if st.last else 0.0) + recomputed  # I needs the recomputed forward
-        w = st.layers * lw + (hw_ if st.last else 0.0)
-        # A fused B is I + W; a split one may cost more (W re-running the input-gradient GEMMs).
-        bk = i + w if cfg.split_backward else st.layers * lb + (hb if st.last else 0.0) + recomputed
+        i, w = times.input_grad[s], times.weight_grad[s]
         share.append(i / (i + w) if i + w > 0 else 0.5)  # used only by split schedules
-        fwd.append(f)
-        bwd.append(bk)
         r = s % pp
         msg = part.p2p_bytes(b)
         sf.append(p2p_time(hw, msg, place.pp_inter_node(r, (s + 1) % pp)) if pp > 1 and s < n_stages - 1 else 0.0)
         sb.append(p2p_time(hw, msg, place.pp_inter_node(r, (s - 1) % pp)) if pp > 1 and s > 0 else 0.0)
-        params = part.stage_params(s)
-        n_in, n_out = place.dp_in_node, place.dp_nodes
-        gather = ring_time(hw, PARAM_BYTES * params, n_in, n_out, "all_gather")
-        ag.append(gather if cfg.zero_stage == 3 else 0.0)
+        experts = part.stage_expert_params(s)
+        dense = part.stage_params(s) - experts
         kind = "all_reduce" if cfg.zero_stage == 0 else "reduce_scatter"
-        red.append(ring_time(hw, GRAD_BYTES * params, n_in, n_out, kind))
+        gather = (ring_time(hw, PARAM_BYTES * dense, *place.grad_group, "all_gather")
+                  + ring_time(hw, PARAM_BYTES * experts, *place.expert_grad_group, "all_gather"))
+        reduce = (ring_time(hw, GRAD_BYTES * dense, *place.grad_group, kind)
+                  + ring_time(hw, GRAD_BYTES * experts, *place.expert_grad_group, kind))
+        if st.last and not st.first and not part.model.untie_embeddings:
+            # Tied embeddings on a pipeline: the word-embedding gradient is all-reduced between the first and the
+            # last stage (Megatron's embedding group) before the data-parallel reduction.
+            emb = GRAD_BYTES * part.padded_vocab * part.model.hidden_size / part.tp
+            reduce += ring_time(hw, emb, 1, 2, "all_reduce") if place.pp_inter_node(0, r) else \
+                ring_time(hw, emb, 2, 1, "all_reduce")
+        ag.append(gather if cfg.zero_stage == 3 else 0.0)
+        red.append(reduce)
         sync.append(gather if cfg.zero_stage in (1, 2) else 0.0)
         # Gradients: a stage's reduction starts after its last backward, all buckets at once: Megatron's default
         # (--align-grad-reduce: each chunk's start_grad_sync after its last backward) and the plugin's REDUCE.
         # Only Megatron's non-interleaved 1F1B lets the first pipeline stage's buckets go as its last backward
         # produces them (about one bucket per layer at these sizes).
-        rb.append(st.layers if cfg.zero_stage <= 1 and cfg.vp == 1 and s == 0 else 1)
+        rb.append(st.layers if cfg.zero_stage <= 1 and cfg.vp == 1 and s == 0 and st.layers else 1)
         # Parameters (ZeRO-0/1, Megatron's overlapped gather): a chunk's first forward waits bucket by bucket;
         # the sharded runtime (ZeRO-2/3) gathers a stage's flat buffer at once, and so does Megatron with
         # --overlap-param-gather-with-optimizer-step (which turns its bucketing off, training.py).
-        sbk.append(st.layers if cfg.zero_stage <= 1 and not cfg.param_gather_with_optimizer else 1)
+        sbk.append(st.layers if cfg.zero_stage <= 1 and not cfg.param_gather_with_optimizer and st.layers else 1)
     opt = []
     for r in range(pp):
-        phi = part.rank_params(r)
-        shard = phi if cfg.zero_stage == 0 else phi / cfg.dp
-        opt.append(ADAM_BYTES_PER_PARAM * shard / (hw.hbm_bandwidth * hw.memory_efficiency) + 10 * hw.kernel_overhead_s)
+        shard = sharded_params(part, cfg, r) if cfg.zero_stage else part.rank_params(r)
+        opt.append(ADAM_BYTES_PER_PARAM * shard / hw.memory_bw + 10 * hw.kernel_overhead_s)
     lead = [0.0] * pp
     if cfg.param_gather_with_optimizer:
         # The first chunk (stage r) steps first, in time proportional to its parameters; its all-gather starts
         # then, while the other chunks step and the slowest rank finishes: that long before the next step.
         lead = [max(opt) - opt[r] * part.stage_params(r) / part.rank_params(r) for r in range(pp)]
     # A schedule-placed step: each stage's STEP takes the rank's optimizer time in proportion to its parameters.
-    step = [opt[s % pp] * part.stage_params(s) / part.rank_params(s % pp) for s in range(n_stages)]
+    step = [opt[s % pp] * part.stage_params(s) / part.rank_params(s % pp) if part.rank_params(s % pp) else 0.0
+            for s in range(n_stages)]
     # The gradient norm (clipping): one scalar all-reduce over every rank, modelled as latency alone, the
     # fixed cost of one collective.
     grad_norm = hw.collective_overhead_s if cfg.num_gpus > 1 else 0.0
-    return Costs(fwd, bwd, sf, sb, ag, red, sync, opt, step=step, grad_norm=grad_norm, reduce_buckets=rb,
-                 param_sync_buckets=sbk, param_sync_lead=lead, input_grad_share=share, dp_overlap=cfg.dp_overlap,
-                 p2p_overlap=cfg.p2p_overlap)
+    return Costs(list(times.forward), list(times.backward), sf, sb, ag, red, sync, opt, step=step,
+                 grad_norm=grad_norm, reduce_buckets=rb, param_sync_buckets=sbk, param_sync_lead=lead,
+                 input_grad_share=share, dp_overlap=cfg.dp_overlap, p2p_overlap=cfg.p2p_overlap)
+
+
+def sharded_params(part: Partition, cfg: Config, rank: int) -> float:
+    """Parameters of pipeline rank `rank` whose optimizer state one GPU holds under ZeRO >= 1: dense ones over the
+    data- x context-parallel ranks, routed experts over the expert-data-parallel ranks."""
+    experts = sum(part.stage_expert_params(s) for s in range(rank, part.num_stages, cfg.pp))
+    dense = part.rank_params(rank) - experts
+    edp = part.tp * cfg.cp * cfg.dp // (cfg.ep * part.expert_tp)
+    return dense / (cfg.dp * cfg.cp) + experts / max(1, edp)
 
 
 # ---------------------------------------------------------------- memory
@@ -433,22 +473,23 @@ def peak_activation_bytes(schedule: Schedule, rank: int, stage_bytes: Callable[[
 def memory_breakdown(part: Partition, cfg: Config, rank: int, activations: float) -> dict[str, float]:
     """Bytes per category on one GPU of pipeline rank `rank` (`activations` from `peak_activation_bytes`)."""
     phi = part.rank_params(rank)
+    shard = sharded_params(part, cfg, rank)
     stages = [rank + c * cfg.pp for c in range(cfg.vp)]
     sizes = sorted((part.stage_params(s) for s in stages), reverse=True)
-    d, z = cfg.dp, cfg.zero_stage
+    z = cfg.zero_stage
     wbuf = sum(sizes[: cfg.weight_buffers])  # buffers sized for the largest stages they may hold
     gbuf = sum(sizes[: cfg.grad_buffers])
     mem = {"weights": 0.0, "weight_buffers": 0.0, "gradients": 0.0, "grad_buffers": 0.0, "optimizer": 0.0}
     if z == 0:
         mem.update(weights=PARAM_BYTES * phi, gradients=GRAD_BYTES * phi, optimizer=12 * phi)
     elif z == 1:
-        mem.update(weights=PARAM_BYTES * phi, gradients=GRAD_BYTES * phi, optimizer=12 * phi / d)
+        mem.update(weights=PARAM_BYTES * phi, gradients=GRAD_BYTES * phi, optimizer=12 * shard)
     elif z == 2:
-        mem.update(weights=PARAM_BYTES * phi, gradients=GRAD_BYTES * phi / d, optimizer=12 * phi / d,
+        mem.update(weights=PARAM_BYTES * phi, gradients=GRAD_BYTES * shard, optimizer=12 * shard,
                    grad_buffers=GRAD_BYTES * gbuf)
     elif z == 3:
-        mem.update(weights=PARAM_BYTES * phi / d, weight_buffers=PARAM_BYTES * wbuf,
-                   gradients=GRAD_BYTES * phi / d, grad_buffers=GRAD_BYTES * gbuf, optimizer=12 * phi / d)
+        mem.update(weights=PARAM_BYTES * shard, weight_buffers=PARAM_BYTES * wbuf,
+                   gradients=GRAD_BYTES * shard, grad_buffers=GRAD_BYTES * gbuf, optimizer=12 * shard)
     else:
         raise ValueError(f"--zero-stage must be 0, 1, 2 or 3 (got {z})")
     mem["activations"] = activations

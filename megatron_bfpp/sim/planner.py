@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..schedule import SCHEDULE_NAMES, ScheduleError
 from ..schedule.kinds import KINDS, megatron_kind
-from .costs import ADAM_BYTES_PER_PARAM, Config, head_times, layer_times, memory_breakdown, split_backward_times
+from .costs import ADAM_BYTES_PER_PARAM, Config, memory_breakdown, sharded_params, stage_times
 from .hardware import GIB, Hardware
 from .model import EVEN_STAGES, ModelProfile, Partition, StageSplit, stage_layer_counts
 from .predict import Prediction, check_config, config_dict, memory, predict
@@ -180,38 +180,25 @@ class _Bounds:
 
     def __init__(self, model: ModelProfile, hw: Hardware) -> None:
         self.model, self.hw = model, hw
-        self._layer = functools.lru_cache(maxsize=None)(lambda tp, b: layer_times(hw, Partition(model, tp, 1, 1), b))
-        self._head = functools.lru_cache(maxsize=None)(lambda tp, b: head_times(hw, Partition(model, tp, 1, 1), b))
-        self._split = functools.lru_cache(maxsize=None)(
-            lambda tp, b, rerun, at_i: split_backward_times(hw, Partition(model, tp, 1, 1), b, rerun, at_i))
 
     def step_lower_bound(self, cfg: Config, part: Partition) -> float:
-        """From the layer profiles alone, no schedule built: the computation that any order of `cfg` runs (per
+        """From the stage profiles alone, no schedule built: the computation that any order of `cfg` runs (per
         rank, the last rank's fill, one micro-batch's chain) and an optimizer outside the schedule. Cheap enough
         to rank every configuration before simulating; `engine.step_lower_bound_s` is the tighter bound of a
         built schedule under its full costs (hops and collectives too)."""
-        lf, lb = self._layer(cfg.tp, cfg.micro_batch_size)
-        hf, hb = self._head(cfg.tp, cfg.micro_batch_size)
-        rc = lf if cfg.recompute else 0.0
-        if cfg.split_backward:
-            li, lw, hi, hw_ = self._split(cfg.tp, cfg.micro_batch_size, cfg.w_reruns_input_grad,
-                                          cfg.w_at_input_grad)
-            lb, hb = li + lw, hi + hw_
-        else:
-            li, hi = lb, hb  # a fused backward is all on the critical path
-        per_layer = lf + lb + rc
-        work = [cfg.microbatches * part.rank_layers(r) * per_layer for r in range(cfg.pp)]
-        work[-1] += cfg.microbatches * (hf + hb)  # the rank with the head
+        t = stage_times(self.hw, part, cfg.micro_batch_size, cfg.recompute, cfg.split_backward,
+                        cfg.w_reruns_input_grad, cfg.w_at_input_grad, cfg.recompute_num_layers,
+                        cfg.selective_recompute)
+        pp, n = cfg.pp, part.num_stages
+        work = [cfg.microbatches * sum(t.forward[s] + t.backward[s] for s in range(r, n, pp)) for r in range(pp)]
         # The last rank cannot start before the forwards of stages 0 .. P-2 ran upstream, and after its last
         # backward theirs still follow downstream: whatever the schedule. With a split backward the rank's own
         # W's may run during that drain, so only the fill counts.
-        upstream = sum(part.layer_counts[: cfg.pp - 1])
-        fill_drain = upstream * (lf if cfg.split_backward else per_layer)
-        chain = self.model.num_layers * (lf + li + rc) + hf + hi  # one micro-batch through every stage
+        fill_drain = sum(t.forward[s] + (0.0 if cfg.split_backward else t.backward[s]) for s in range(pp - 1))
+        chain = sum(t.forward[s] + t.input_grad[s] for s in range(n))  # one micro-batch through every stage
         if not cfg.optimizer_in_schedule:  # the step waits for the whole optimizer
-            phi = max(part.rank_params(r) for r in range(cfg.pp))
-            shard = phi if cfg.zero_stage == 0 else phi / cfg.dp
-            opt = ADAM_BYTES_PER_PARAM * shard / (self.hw.hbm_bandwidth * self.hw.memory_efficiency)
+            shard = max(sharded_params(part, cfg, r) if cfg.zero_stage else part.rank_params(r) for r in range(pp))
+            opt = ADAM_BYTES_PER_PARAM * shard / self.hw.memory_bw
         else:  # STEPs may hide behind other work: only the computation is certain
             opt = 0.0
         return max(work[-1] + fill_drain, max(work), chain) + opt
@@ -340,9 +327,8 @@ def plan(model: ModelProfile, hw: Hardware, gpus: int, global_batch: int, space:
     configs, bad = enumerate_configs(model, hw, gpus, global_batch, space)
     fallback = stock_fallback_layouts(configs + [c for c, _ in bad if c is not None])
     bounds = _Bounds(model, hw)
-    flops = model.model_flops_per_sequence() * global_batch
-
     def ub(cfg: Config) -> float:
+        flops = model.model_flops_per_sequence(cfg.tp) * global_batch
         return flops / bounds.step_lower_bound(cfg, cfg.partition(model)) / gpus / 1e12
 
     ranked = sorted(((ub(c), i, c) for i, c in enumerate(configs)), key=lambda x: (-x[0], x[1]))

@@ -11,15 +11,25 @@ from ..schedule.ir import INPUT_GRAD_OPS
 from ..schedule.kinds import KINDS, megatron_kind, schedule_kind
 from ..schedule.validate import peak_pending_weight_grads
 from ..schedule.events import TimelineEvent
-from .costs import Config, Placement, analytic_costs, memory_breakdown, peak_activation_bytes
+from .costs import Config, analytic_costs, memory_breakdown, peak_activation_bytes
 from .engine import EngineResult, simulate_schedule, step_lower_bound_s
 from .hardware import GIB, Hardware
 from .model import ModelProfile, StageSplit
 
 def check_config(model: ModelProfile, hw: Hardware, cfg: Config) -> None:
     """Raise ValueError (one line, naming the flag) for a configuration that cannot run."""
-    Placement(hw, cfg.tp, cfg.dp, cfg.pp)
-    cfg.partition(model)
+    cfg.placement(hw)
+    part = cfg.partition(model)
+    if cfg.fp8 is not None:
+        hw.gemm_flops(fp8=True)  # refused where the hardware has no FP8 tensor cores
+    if model.is_moe and cfg.tp > 1 and not cfg.sequence_parallel:
+        raise ValueError("--sequence-parallel: Megatron runs MoE layers with tensor parallelism only under sequence "
+                         "parallelism; add --sequence-parallel")
+    if cfg.moe_a2a_overlap and not (model.is_moe and cfg.ep > 1):
+        raise ValueError("--overlap-moe-expert-parallel-comm needs an MoE model with --expert-model-parallel-size > 1")
+    if cfg.recompute_num_layers is not None and not cfg.recompute:
+        raise ValueError("--recompute-num-layers applies to full recomputation (--recompute-granularity full)")
+    del part
     if cfg.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"--zero-stage must be 0, 1, 2 or 3 (got {cfg.zero_stage})")
     try:
@@ -192,15 +202,19 @@ def memory(model: ModelProfile, cfg: Config) -> list[dict[str, float]]:
     b = cfg.micro_batch_size
     order = schedule_spec(cfg).order_spec()
     n_st = part.num_stages
-    if len(set(part.layer_counts[:-1])) > 1:  # uneven stages: walk the order with each stage's own bytes
+
+    def kept(s: int) -> float:
+        return part.activation_bytes(s, b, cfg.recompute, cfg.recompute_num_layers, cfg.selective_recompute)
+
+    inner = {(kept(s), part.pending_weight_grad_bytes(s, b)) for s in range(n_st - 1)}
+    if len(inner) > 1:  # stages that keep different bytes: walk the order with each stage's own bytes
         sched = built_schedule(order)
         pending = None if cfg.w_at_input_grad else (lambda s: part.pending_weight_grad_bytes(s, b))
-        return [memory_breakdown(part, cfg, r, peak_activation_bytes(
-                    sched, r, lambda s: part.activation_bytes(s, b, cfg.recompute), pending))
+        return [memory_breakdown(part, cfg, r, peak_activation_bytes(sched, r, kept, pending))
                 for r in range(cfg.pp)]
     frontier = activation_frontier(order)
-    sizes = (part.activation_bytes(0, b, cfg.recompute) if n_st > 1 else 0.0,
-             part.activation_bytes(n_st - 1, b, cfg.recompute),
+    sizes = (kept(0) if n_st > 1 else 0.0,
+             kept(n_st - 1),
              part.pending_weight_grad_bytes(0, b) if n_st > 1 and not cfg.w_at_input_grad else 0.0,
              0.0 if cfg.w_at_input_grad else part.pending_weight_grad_bytes(n_st - 1, b))
     return [memory_breakdown(part, cfg, r, max(sum(x * y for x, y in zip(p, sizes)) for p in frontier[r]))
@@ -222,7 +236,7 @@ def _prediction(model: ModelProfile, hw: Hardware, cfg: Config, sched: Schedule,
                 lower_bound_s: float) -> Prediction:
     mem = memory(model, cfg)
     peak_rank = max(range(cfg.pp), key=lambda r: mem[r]["total"])
-    flops = model.model_flops_per_sequence() * cfg.global_batch_size
+    flops = model.model_flops_per_sequence(cfg.tp) * cfg.global_batch_size
     tflops = flops / res.step_time_s / cfg.num_gpus / 1e12
     pp = cfg.pp
     pending = peak_pending_weight_grads(sched)
@@ -237,7 +251,7 @@ def _prediction(model: ModelProfile, hw: Hardware, cfg: Config, sched: Schedule,
         config=cfg, model=model.name, hardware=hw.name,
         step_time_s=res.step_time_s,
         tflops_per_gpu=tflops,
-        mfu=tflops * 1e12 / hw.peak_flops,
+        mfu=tflops * 1e12 / hw.dense_peak(cfg.fp8 is not None),
         bubble_fraction=res.bubble_fraction,
         exposed_dp_s=res.mean_exposed_dp_s,
         exposed_pp_s=res.mean_exposed_pp_s,
