@@ -35,6 +35,7 @@ A layer (per GPU, tokens n = b s / CP of its context shard; T tensor-parallel ra
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .hardware import Hardware
@@ -49,14 +50,33 @@ FLASH_BACKWARD_FLOPS = 2.5  # flash attention's backward runs 5 matmuls to the f
 
 # ---------------------------------------------------------------- kernels and messages
 
+GEMM_TILE = (256, 128)  # output tile of cuBLAS's large tensor-core kernels (NVIDIA, "Matrix Multiplication Background")
+
+
+def wave_efficiency(hw: Hardware, m: float, n: float, groups: int = 1) -> float:
+    """Fraction of the SMs' time doing useful work when the m x n output (of each of `groups` problems) is cut into
+    256 x 128 tiles that run in waves of one tile per SM: the last wave is partial ("wave quantization", NVIDIA Deep
+    Learning Performance Guide, Matrix Multiplication Background). The better of the two orientations."""
+    if hw.sm_count <= 0:
+        return 1.0
+    best = 0.0
+    for a, b in ((m, n), (n, m)):
+        tiles = groups * math.ceil(a / GEMM_TILE[0]) * math.ceil(b / GEMM_TILE[1])
+        useful = groups * a * b / (GEMM_TILE[0] * GEMM_TILE[1])  # tiles at the edges are partly empty
+        waves = math.ceil(tiles / hw.sm_count)
+        best = max(best, useful / (waves * hw.sm_count))
+    return min(1.0, best)
+
+
 def gemm_time(hw: Hardware, m: float, k: float, n: float, count: int = 1, fp8: bool = False) -> float:
-    """Seconds for `count` GEMMs of m x k x n (roofline with a fixed per-kernel overhead)."""
+    """Seconds for `count` GEMMs of m x k x n: the measured large-GEMM rate derated by wave quantization, or the
+    bytes at the achieved HBM bandwidth when slower, plus a fixed per-kernel overhead."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0
     flops = 2.0 * m * k * n
     width = 1.0 if fp8 else 2.0
     nbytes = width * (m * k + k * n) + 2.0 * m * n  # outputs in bf16
-    t = max(flops / hw.gemm_flops(fp8), nbytes / hw.memory_bw)
+    t = max(flops / (hw.gemm_flops(fp8) * wave_efficiency(hw, m, n)), nbytes / hw.memory_bw)
     return count * (t + hw.kernel_overhead_s)
 
 
@@ -98,13 +118,17 @@ def p2p_time(hw: Hardware, nbytes: float, inter_node: bool) -> float:
 
 
 def all_to_all_time(hw: Hardware, nbytes: float, n_in: int, n_out: int) -> float:
-    """All-to-all where each GPU holds `nbytes` spread evenly over n_in x n_out peers (n_in in its node): the
-    in-node share over NVLink and the rest over the GPU's own NIC, concurrently; one message per peer."""
+    """All-to-all where each GPU holds `nbytes` spread evenly over n_in x n_out peers (n_in in its node), at the
+    measured all-to-all bus bandwidth: over NVLink inside one node, at the GPU's NIC rate when the group spans
+    nodes (NCCL's measured inter-node all-to-all runs at about one NIC's rate per GPU); one message per peer."""
     peers = n_in * n_out
     if peers <= 1 or nbytes <= 0:
         return 0.0
-    intra = nbytes * (n_in - 1) / peers / hw.nvlink_bw
-    inter = nbytes * (peers - n_in) / peers / hw.ib_bw if n_out > 1 else 0.0
+    if n_out > 1:  # across nodes the GPU's NIC sets the pace for all of it (measured all-to-all bus bandwidth)
+        t = nbytes * (peers - 1) / peers / (hw.ib_bandwidth * hw.a2a_ib_efficiency)
+        return hw.collective_overhead_s + t + (peers - n_in) * hw.ib_latency_s
+    intra = nbytes * (n_in - 1) / peers / (hw.nvlink_bandwidth * hw.a2a_nvlink_efficiency)
+    inter = 0.0
     lat = (n_in - 1) * hw.nvlink_latency_s + (peers - n_in) * hw.ib_latency_s
     return hw.collective_overhead_s + max(intra, inter) + lat
 
@@ -189,8 +213,8 @@ def layer_ops(hw: Hardware, part: Partition, b: int, layer: int = 0) -> OpTimes:
     s, heads = m.seq_length, m.num_heads / t
     if part.attention == "flash":
         flops = m.core_attention_flops(b) / (t * part.cp) / 2  # causal: the masked half is skipped
-        fwd = flops / (hw.peak_flops * hw.attention_fwd_efficiency) + hw.kernel_overhead_s
-        bwd = FLASH_BACKWARD_FLOPS * flops / (hw.peak_flops * hw.attention_bwd_efficiency) + hw.kernel_overhead_s
+        fwd = flops / hw.attention_flops() + hw.kernel_overhead_s
+        bwd = FLASH_BACKWARD_FLOPS * flops / hw.attention_flops(backward=True) + hw.kernel_overhead_s
     else:  # scores and context as batched GEMMs over the full s x s, softmax and dropout streaming the scores
         batches = b * heads
         sq = s / part.cp

@@ -26,24 +26,20 @@ def resolve_model(spec: str) -> ModelProfile:
 
 
 def simulated_ops(model_name: str, hardware: str, micro_batch_size: int) -> dict[str, dict[str, float]]:
-    """Seconds per op of one layer (T = 1) under the simulator's cost model: {op: {"fwd": s, "bwd": s}}."""
-    from megatron_bfpp.sim import costs
+    """Seconds per op of one layer (T = 1) under the simulator's cost model: {op: {"fwd": s, "bwd": s}}; the
+    elementwise row holds every op of the cost model's layer that is not a weight GEMM or the core attention."""
     from megatron_bfpp.sim.hardware import get_hardware
+    from megatron_bfpp.sim.layer_costs import layer_ops
     from megatron_bfpp.sim.model import Partition
 
     hw, m, b = get_hardware(hardware), resolve_model(model_name), micro_batch_size
-    tokens, h, f, s = b * m.seq_length, m.hidden_size, m.ffn, m.seq_length
+    sim = layer_ops(hw, Partition(m, 1, 1, 1), b)
     ops: dict[str, dict[str, float]] = {}
-    for name, (k, n) in {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, f), "fc2": (f, h)}.items():
-        t = costs.gemm_time(hw, tokens, k, n)
-        ops[name] = {"fwd": t, "bwd": 2 * t}  # dgrad + wgrad
-    attn = 4.0 * b * s * s * h / (hw.peak_flops * hw.gemm_efficiency) + hw.kernel_overhead_s
-    ops["attention"] = {"fwd": attn, "bwd": 2.5 * attn}
-    elem = (costs.ELEMENTWISE_BYTES_PER_TOKEN_HIDDEN * tokens * h / (hw.hbm_bandwidth * hw.memory_efficiency)
-            + costs.ELEMENTWISE_KERNELS_PER_LAYER * hw.kernel_overhead_s)
-    ops["elementwise"] = {"fwd": elem, "bwd": 2 * elem}
-    fwd, bwd = costs.layer_times(hw, Partition(m, 1, 1, 1), b)
-    ops["layer"] = {"fwd": fwd, "bwd": bwd}
+    for op in ("qkv", "proj", "fc1", "fc2", "attention"):
+        ops[op] = {"fwd": sim.fwd.get(op, 0.0), "bwd": sim.bwd.get(op, 0.0)}
+    for k, table, total in (("fwd", sim.fwd, sim.forward), ("bwd", sim.bwd, sim.backward)):
+        ops.setdefault("elementwise", {})[k] = total - sum(table.get(op, 0.0) for op in ops if op != "elementwise")
+        ops.setdefault("layer", {})[k] = total
     return ops
 
 
