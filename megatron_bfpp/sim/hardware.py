@@ -2,7 +2,7 @@
 
 Every nominal number is a datasheet figure with its source. Every achieved fraction (`*_efficiency`, latencies,
 overheads) comes from a published measurement of a kernel or a collective on that hardware (never from an
-end-to-end training run), cited next to it; docs/simulator.md lists them all. `Hardware.from_op_timings` builds a
+end-to-end training run), cited next to it; docs/simulator.md lists them all. `layer_costs.measured_profile` builds a
 profile from a device's own per-op measurements (the device kit's GPU check). Bandwidths are per GPU and per
 direction, in bytes/s.
 """
@@ -87,20 +87,7 @@ class Hardware:
             return self.peak_flops_fp8
         return self.peak_flops
 
-    def replace(self, **changes: float) -> "Hardware":
-        return dataclasses.replace(self, **changes)
-
-    def from_op_timings(self, name: str, gemm_flops_per_s: float, memory_bytes_per_s: float,
-                        attention_fwd_flops_per_s: float | None = None,
-                        attention_bwd_flops_per_s: float | None = None) -> "Hardware":
-        """This profile with its achieved rates replaced by a device's own measurements (the device kit's GPU
-        check: the layer's weight GEMMs, elementwise kernels and attention timed on the device)."""
-        changes: dict = dict(name=name, gemm_efficiency=gemm_flops_per_s / self.peak_flops,
-                             memory_efficiency=memory_bytes_per_s / self.hbm_bandwidth)
-        if attention_fwd_flops_per_s:
-            changes["attention_fwd_efficiency"] = attention_fwd_flops_per_s / self.peak_flops
-        if attention_bwd_flops_per_s:
-            changes["attention_bwd_efficiency"] = attention_bwd_flops_per_s / self.peak_flops
+    def replace(self, **changes: object) -> "Hardware":
         return dataclasses.replace(self, **changes)
 
 
@@ -116,7 +103,7 @@ class Hardware:
 # - in_layer_fraction 0.858: the least-squares fit of the one single-layer measurement cited here (Korthikanti et al.
 #   2022, Table 4: one 22B layer on DGX A100, five settings; bench/calibrate_layer.py prints the fit and each
 #   setting). No per-layer measurement of H100, H200 or B200 is cited yet: they take the A100 fraction until the
-#   device kit's layer timings replace it (`Hardware.from_op_timings`).
+#   device kit's layer timings replace it (`layer_costs.measured_profile`).
 _LINKS = dict(
     in_layer_fraction=0.858,
     kernel_overhead_s=5e-6,

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass, field
 
 from .hardware import Hardware
-from .model import Partition
+from .model import ModelProfile, Partition
 
 ADAM_BYTES_PER_PARAM = 30  # read grad, master, m, v (16), write master, m, v (12), write bf16 weight (2)
 GRAD_BYTES = 4  # fp32 gradient reduction (Megatron's default with bf16)
@@ -319,3 +319,39 @@ def embedding_ops(hw: Hardware, part: Partition, b: int) -> OpTimes:
         c = _tp_collective(hw, part, 2.0 * n * m.hidden_size)
         ops.add("tp_comm", c if part.sp else 2 * c, c if part.sp else 0.0)
     return ops
+
+
+# ---------------------------------------------------------------- a profile from a device's own layer timings
+
+def measured_profile(base: Hardware, layer_report: dict, model: ModelProfile) -> Hardware:
+    """`base` with its achieved rates replaced by a device's measured ones, from the device kit's layer table
+    (`gpu_check layer --json`: one layer of `model` at T = 1, its four weight GEMMs, core attention and the rest
+    timed forward and backward): the GEMM rate is their FLOPs over their measured time (the measurement is in a
+    layer's setting, so the in-layer fraction becomes 1), the attention rates likewise, and the memory rate is the
+    cost model's elementwise bytes over the measured rest of the layer."""
+    b = int(layer_report["micro_batch_size"])
+    rows = {r["op"]: r for r in layer_report["ops"]}
+    missing = [op for op in ("qkv", "proj", "fc1", "fc2", "attention", "elementwise")
+               if rows.get(op, {}).get("fwd_measured_ms") is None]
+    if missing:
+        raise ValueError(f"the layer report has no measured {', '.join(missing)}: run the device kit's layer check "
+                         "without --sim-only")
+    n, h = b * model.seq_length, model.hidden_size
+    f_out = (2 if model.swiglu else 1) * model.ffn
+    shapes = {"qkv": (h, model.q_size + 2 * model.kv_size), "proj": (model.q_size, h), "fc1": (h, f_out),
+              "fc2": (model.ffn, h)}
+    gemm_flops = sum(3 * 2.0 * n * k * out for k, out in shapes.values())  # forward, dgrad, wgrad
+    gemm_s = sum((rows[op]["fwd_measured_ms"] + rows[op]["bwd_measured_ms"]) / 1e3 for op in shapes)
+    attn = model.core_attention_flops(b) / 2  # causal
+    part = Partition(model, 1, 1, 1)
+    modelled = layer_ops(base, part, b)
+    elementwise_s = sum(modelled.fwd.get(op, 0.0) + modelled.bwd.get(op, 0.0) for op in ("elementwise",))
+    measured_rest = (rows["elementwise"]["fwd_measured_ms"] + rows["elementwise"]["bwd_measured_ms"]) / 1e3
+    memory = base.memory_bw * elementwise_s / measured_rest if measured_rest > 0 else base.memory_bw
+    return base.replace(
+        name=f"{base.name} (measured: {layer_report.get('device', 'device')})",
+        gemm_efficiency=gemm_flops / gemm_s / base.peak_flops, in_layer_fraction=1.0,
+        memory_efficiency=memory / base.hbm_bandwidth,
+        attention_fwd_efficiency=attn / (rows["attention"]["fwd_measured_ms"] / 1e3) / base.peak_flops,
+        attention_bwd_efficiency=FLASH_BACKWARD_FLOPS * attn / (rows["attention"]["bwd_measured_ms"] / 1e3)
+        / base.peak_flops)

@@ -234,3 +234,26 @@ def test_wave_quantization():
     assert wave_efficiency(A100, 8192, 2304) == pytest.approx(576 / (6 * 108))
     assert wave_efficiency(A100, 8192, 8192) == pytest.approx(2048 / (19 * 108))
     assert math.isclose(wave_efficiency(A100.replace(sm_count=0), 8192, 2304), 1.0)
+
+
+# ------------------------------------------------------------------ a profile from the device kit's layer table
+
+def test_measured_profile_takes_the_devices_rates():
+    """A layer table whose GEMMs ran at 500 TFLOP/s and attention at 400 / 250 forward / backward gives a profile
+    with those rates (the in-layer fraction then 1: the GEMMs were timed in a layer's setting)."""
+    from megatron_bfpp.sim.layer_costs import measured_profile
+
+    m = ModelProfile("gpt", 1, 4096, 32, 2048)
+    n, h, f = 2048, 4096, 16384
+    gemms = {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, f), "fc2": (f, h)}
+    rows = [{"op": op, "fwd_measured_ms": 2 * n * k * o / 500e12 * 1e3, "bwd_measured_ms": 4 * n * k * o / 500e12 * 1e3}
+            for op, (k, o) in gemms.items()]
+    attn = 4 * n * n * h / 2
+    rows.append({"op": "attention", "fwd_measured_ms": attn / 400e12 * 1e3, "bwd_measured_ms": 2.5 * attn / 250e12 * 1e3})
+    rows.append({"op": "elementwise", "fwd_measured_ms": 0.1, "bwd_measured_ms": 0.2})
+    hw = measured_profile(H100, {"micro_batch_size": 1, "ops": rows, "device": "H100"}, m)
+    assert hw.gemm_flops() == pytest.approx(500e12) and hw.in_layer_fraction == 1.0
+    assert hw.attention_flops() == pytest.approx(400e12)
+    assert hw.attention_flops(backward=True) == pytest.approx(250e12)
+    with pytest.raises(ValueError, match="no measured attention"):
+        measured_profile(H100, {"micro_batch_size": 1, "ops": rows[:4]}, m)
