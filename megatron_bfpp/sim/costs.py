@@ -26,7 +26,8 @@ fastest, then context-, data-parallel, then pipeline; an expert-parallel group s
 Memory per rank (bytes per parameter; mixed precision with fp32 gradients and Adam, as Megatron with bf16):
 ZeRO-0 (plain DDP) 2 + 4 + 12; ZeRO-1 2 + 4 + 12/D; ZeRO-2 2 + 4/D + 12/D + gradient buffers for
 `grad_buffers` stages; ZeRO-3 (2 + 4 + 12)/D + weight buffers for `weight_buffers` stages + gradient buffers; D is
-the data- x context-parallel size for dense parameters and the expert-data-parallel size for routed experts.
+the data- x context-parallel size for dense parameters and the expert-data-parallel size for routed experts. With
+FP8, TransformerEngine's quantized weight copies (2 bytes per decoder-layer parameter) stay resident all step.
 Activations come from the schedule's own order (see `peak_activation_bytes`); an I frees a micro-batch's
 activations except what its pending W keeps (`Partition.pending_weight_grad_bytes`).
 """
@@ -44,6 +45,8 @@ from .hardware import Hardware
 from .layer_costs import (ADAM_BYTES_PER_PARAM, GRAD_BYTES, PARAM_BYTES, all_to_all_time, embedding_ops, gemm_time,
                           group_span, head_ops, layer_ops, p2p_time, ring_time)
 from .model import EVEN_STAGES, ModelProfile, Partition, StageSplit
+
+FP8_WEIGHT_COPY_BYTES = 2  # TransformerEngine's FP8 weight copy and its transpose (Hopper), per parameter
 
 
 
@@ -492,6 +495,14 @@ def memory_breakdown(part: Partition, cfg: Config, rank: int, activations: float
                    gradients=GRAD_BYTES * shard, grad_buffers=GRAD_BYTES * gbuf, optimizer=12 * shard)
     else:
         raise ValueError(f"--zero-stage must be 0, 1, 2 or 3 (got {z})")
+    if cfg.fp8 is not None:
+        # TransformerEngine keeps each FP8 layer's quantized weight (and on Hopper its transpose) from micro-batch 0
+        # to the end of the step, through ZeRO-3's releases: about 2 bytes per decoder-layer parameter.
+        layers = sum(part.stage_params(s) for s in stages) - sum(
+            part.model.embedding_params(part.tp) / part.tp for s in stages if part.stage(s).first) - sum(
+            part.model.head_params(part.tp, pipelined=part.num_stages > 1) / part.tp for s in stages
+            if part.stage(s).last)
+        mem["fp8_weight_copies"] = FP8_WEIGHT_COPY_BYTES * layers
     mem["activations"] = activations
     mem["working"] = max(part.working_bytes(s, cfg.micro_batch_size) for s in stages)
     mem["total"] = sum(mem.values())

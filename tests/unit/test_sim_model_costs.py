@@ -257,3 +257,18 @@ def test_measured_profile_takes_the_devices_rates():
     assert hw.attention_flops(backward=True) == pytest.approx(250e12)
     with pytest.raises(ValueError, match="no measured attention"):
         measured_profile(H100, {"micro_batch_size": 1, "ops": rows[:4]}, m)
+
+
+def test_fp8_weight_copies_stay_resident():
+    """TransformerEngine keeps an FP8 copy and its transpose of every decoder-layer weight all step (through ZeRO-3's
+    releases): 2 bytes per layer parameter on the GPU, not the embedding's or the output layer's."""
+    from megatron_bfpp.sim.costs import memory_breakdown
+
+    cfg = Config(8, 4, 2, 8, 1, 8, "breadth-first", 3, False, fp8="delayed")
+    part = cfg.partition(LLAMA70)
+    mem = memory_breakdown(part, cfg, 1, 0.0)  # rank 1: middle stages 1 and 5, layers only
+    assert mem["fp8_weight_copies"] == pytest.approx(2 * (part.stage_params(1) + part.stage_params(5)))
+    first = memory_breakdown(part, cfg, 0, 0.0)
+    assert first["fp8_weight_copies"] == pytest.approx(
+        2 * (part.stage_params(0) + part.stage_params(4) - LLAMA70.embedding_params(8) / 8))
+    assert "fp8_weight_copies" not in memory_breakdown(part, Config(8, 4, 2, 8, 1, 8, "breadth-first", 3, False), 1, 0.0)
