@@ -7,8 +7,8 @@ the plugin's checks, and prints the resolved pipeline configuration. Useful befo
 
 What Megatron's argument validation takes from the machine: the world size and rank (environment WORLD_SIZE,
 RANK: set here from --world-size) and, with tensor or context parallelism (and GTP, FSDP), the GPU architecture
-(`get_device_arch_version()` reads cuda:0). Without a GPU the architecture is taken from --gpu-arch (default 9,
-Hopper). `--moe-grouped-gemm` queries the device directly and cannot be checked without a GPU.
+(`get_device_arch_version()` reads cuda:0; `--moe-grouped-gemm` asks `torch.cuda.get_device_capability()`). Without
+a GPU both are answered from --gpu-arch (default 9, Hopper).
 """
 
 from __future__ import annotations
@@ -26,25 +26,31 @@ from .validation import ConfigError, PluginConfig, check_before_megatron, valida
 
 @contextlib.contextmanager
 def _gpu_arch(arguments_module, arch: int) -> Iterator[None]:
-    """Without CUDA, answer Megatron's architecture query (its argument checks only branch on it)."""
+    """Without CUDA, answer Megatron's architecture queries (its argument checks only branch on them)."""
     import torch
 
-    original = getattr(arguments_module, "get_device_arch_version", None)
-    if original is None or torch.cuda.is_available():
+    if torch.cuda.is_available():
         yield
         return
-    arguments_module.get_device_arch_version = lambda: arch
+    saved = [(arguments_module, "get_device_arch_version", lambda: arch),
+             (torch.cuda, "get_device_capability", lambda device=None: (arch, 0))]
+    saved = [(owner, name, getattr(owner, name), answer) for owner, name, answer in saved if hasattr(owner, name)]
+    for owner, name, _, answer in saved:
+        setattr(owner, name, answer)
     try:
         yield
     finally:
-        arguments_module.get_device_arch_version = original
+        for owner, name, original, _ in saved:
+            setattr(owner, name, original)
 
 
 @contextlib.contextmanager
-def _argv_and_env(argv: Sequence[str], world_size: int, rank: int) -> Iterator[None]:
-    saved_argv, saved_env = sys.argv, {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
+def _argv_and_env(argv: Sequence[str], world_size: int, rank: int, env: dict[str, str] | None = None) -> Iterator[None]:
+    names = ("WORLD_SIZE", "RANK", *(env or {}))
+    saved_argv, saved_env = sys.argv, {k: os.environ.get(k) for k in names}
     sys.argv = ["pretrain_gpt.py", *argv]
     os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world_size), str(rank)
+    os.environ.update(env or {})
     try:
         yield
     finally:
@@ -64,16 +70,18 @@ def parse_megatron_args(
     args_defaults: dict | None = None,
     quiet: bool = True,
     gpu_arch: int = 9,
+    env: dict[str, str] | None = None,
 ) -> argparse.Namespace:
     """Megatron-LM's parse_args + validate_args on `argv` as if run on `world_size` ranks (no global state set,
-    no CUDA needed: `gpu_arch` answers the architecture query); the plugin's flags are accepted, but for conflicts
-    Megatron's own check would misreport (`check_before_megatron`, a ConfigError). Megatron's own rejections surface as its
+    no CUDA needed: `gpu_arch` answers the architecture queries) with the launch environment `env` set meanwhile
+    (e.g. CUDA_DEVICE_MAX_CONNECTIONS); the plugin's flags are accepted, but for conflicts Megatron's own check
+    would misreport (`check_before_megatron`, a ConfigError). Megatron's own rejections surface as its
     AssertionError / ValueError / SystemExit (argparse)."""
     from megatron.training import arguments
 
     defaults = {"tokenizer_type": "GPT2BPETokenizer"} if args_defaults is None else args_defaults
     sink = io.StringIO()
-    with _argv_and_env(argv, world_size, rank), _gpu_arch(arguments, gpu_arch), contextlib.ExitStack() as stack:
+    with _argv_and_env(argv, world_size, rank, env), _gpu_arch(arguments, gpu_arch), contextlib.ExitStack() as stack:
         if quiet:
             stack.enter_context(contextlib.redirect_stdout(sink))
         # The unwrapped functions: argument hooks (if installed) would install the plugin as a side effect.
