@@ -211,8 +211,9 @@ def test_circles_are_found_through_import_module_calls(tmp_path):
 
 # The package's layers and what each may import besides itself (README's layout section). Lowest first:
 # schedules as data; the runtime (which drives the sharded wrapper), the simulator and the timelines over them;
-# then what knows Megatron-LM and the standalone trainer; the device kit and the entry points on top. A
-# command (`<layer>/cli.py`, the top-level `cli.py`) may import any layer.
+# then what knows Megatron-LM (which also reads its flags into the simulator's inputs) and the standalone trainer;
+# the device kit and the entry points on top. A command (`<layer>/cli.py`, the top-level `cli.py`) may import any
+# layer.
 LAYERS: dict[str, set[str]] = {
     "errors": set(),
     "schedule": set(),
@@ -220,7 +221,7 @@ LAYERS: dict[str, set[str]] = {
     "runtime": {"schedule", "sharded"},
     "sim": {"schedule"},
     "trace": {"schedule", "sim"},
-    "megatron": {"schedule", "sharded", "runtime", "trace"},
+    "megatron": {"schedule", "sharded", "runtime", "sim", "trace"},
     "train": {"errors", "schedule", "sharded", "runtime", "sim", "trace", "megatron"},
     "run_megatron_script": {"megatron"},
     "devkit": {"megatron_bfpp", "schedule", "sim", "train", "run_megatron_script"},
