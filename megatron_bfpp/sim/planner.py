@@ -1,5 +1,7 @@
-"""Configuration planner: search T, P, V, D, b, schedule, group size, ZeRO stage and recomputation, rank the
-configurations that fit in memory by simulated throughput, and say why the most promising others failed.
+"""Configuration planner: search T, P, V, CP, EP, D, b, schedule, group size, ZeRO stage and recomputation, rank the
+configurations that fit in memory by simulated throughput, and say why the most promising others failed. What the
+search does not vary (how the layers run: sequence parallelism, attention kernel, FP8, overlaps, expert-tensor
+parallelism, selective or partial recomputation) is the same in every candidate, as `SearchSpace` fixes it.
 
 The search is exact for the top K and fast: every configuration first gets an upper bound on its throughput
 (from compute alone: the busiest rank's F/B time, the P-1 stage forwards before it can start and backwards
@@ -25,6 +27,9 @@ from .model import EVEN_STAGES, ModelProfile, Partition, StageSplit, stage_layer
 from .predict import Prediction, check_config, config_dict, memory, predict
 
 ZERO_STAGES = (0, 1, 2, 3)
+# Context parallelism is searched for long sequences: CP = 2, 4, ... while each CP rank keeps at least this many
+# tokens of a sequence (Megatron's recipes use CP = 2 at 8k, more only beyond).
+MIN_CP_TOKENS = 4096
 STOCK_SCHEDULES = tuple(n for n, k in KINDS.items() if k.megatron_order)  # 1F1B at V = 1, interleaved at V >= 2
 STOCK_ZERO_STAGE = 1  # Megatron's distributed optimizer
 
@@ -51,10 +56,45 @@ class SearchSpace:
     # The optimizer is stock Megatron's, outside the schedule (`Config.stock_optimizer`): `stock_space` and the
     # benchmarks' other Megatron baselines.
     stock_optimizer: bool = False
+    cp_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, ... down to MIN_CP_TOKENS tokens per CP rank
+    ep_sizes: tuple[int, ...] | None = None  # None: every divisor of the expert count (MoE), else 1
+    layers_per_virtual_stage: tuple[int, ...] | None = None  # --num-layers-per-virtual-pipeline-stage restriction
+    # --- fixed in every candidate: how the layers run (`Config`'s fields of the same names)
+    etp: int | None = None
+    sequence_parallel: bool = True
+    attention: str = "flash"
+    fp8: str | None = None
+    tp_comm_overlap: bool = False
+    moe_a2a_overlap: bool = False
+    recompute_num_layers: int | None = None
+    selective_recompute: bool = False
+    weight_buffers: int = 2
+    grad_buffers: int = 2
 
     def __post_init__(self) -> None:
         if self.stock and not self.stock_optimizer:
             object.__setattr__(self, "stock_optimizer", True)  # stock Megatron steps with its own optimizer
+
+    def layer_settings(self) -> dict:
+        """The Config fields every candidate shares."""
+        return dict(etp=self.etp, sequence_parallel=self.sequence_parallel, attention=self.attention, fp8=self.fp8,
+                    tp_comm_overlap=self.tp_comm_overlap, moe_a2a_overlap=self.moe_a2a_overlap,
+                    recompute_num_layers=self.recompute_num_layers, selective_recompute=self.selective_recompute,
+                    weight_buffers=self.weight_buffers, grad_buffers=self.grad_buffers)
+
+    def cp_choices(self, model: ModelProfile) -> tuple[int, ...]:
+        if self.cp_sizes is not None:
+            return self.cp_sizes
+        out, cp = [1], 2
+        while model.seq_length // cp >= MIN_CP_TOKENS and model.seq_length % (2 * cp) == 0:
+            out.append(cp)
+            cp *= 2
+        return tuple(out)
+
+    def ep_choices(self, model: ModelProfile) -> tuple[int, ...]:
+        if self.ep_sizes is not None:
+            return self.ep_sizes
+        return tuple(_divisors(model.num_experts)) if model.is_moe else (1,)
 
 
 def stock_space(space: SearchSpace = SearchSpace()) -> SearchSpace:
@@ -95,7 +135,7 @@ class Rejection:
     tflops_upper_bound: float
 
     def to_dict(self) -> dict:
-        return {"config": config_dict(self.config), "reason": self.reason,
+        return {"config": config_json(self.config), "reason": self.reason,
                 "tflops_per_gpu_upper_bound": self.tflops_upper_bound}
 
 
@@ -136,7 +176,7 @@ def _candidate_dict(p: Prediction) -> dict:
     c = p.config
     stock_kind, stock_vp = stock_schedule(c.pp, c.vp, c.microbatches)
     return {
-        "config": config_dict(p.config),
+        "config": config_json(p.config),
         "tflops_per_gpu": p.tflops_per_gpu,
         "step_time_s": p.step_time_s,
         "step_lower_bound_s": p.step_lower_bound_s,
@@ -149,6 +189,24 @@ def _candidate_dict(p: Prediction) -> dict:
         # What stock Megatron-Core runs at this candidate's T, P, D, b and M.
         "stock_at_layout": {"pipeline_schedule": stock_kind, "virtual_pipeline_model_parallel_size": stock_vp,
                             "falls_back": stock_vp != c.vp},
+    }
+
+
+def config_json(cfg: Config) -> dict:
+    """`config_dict` (the planner's JSON contract) with how the layers run: context, expert and expert-tensor
+    parallelism, sequence parallelism, attention kernel, FP8 recipe, overlaps and recomputation."""
+    return {
+        **config_dict(cfg),
+        "context_parallel_size": cfg.cp,
+        "expert_model_parallel_size": cfg.ep,
+        "expert_tensor_parallel_size": cfg.etp or cfg.tp,
+        "sequence_parallel": cfg.sequence_parallel and cfg.tp > 1,
+        "attention": cfg.attention,
+        "fp8_recipe": cfg.fp8,
+        "tp_comm_overlap": cfg.tp_comm_overlap,
+        "overlap_moe_expert_parallel_comm": cfg.moe_a2a_overlap,
+        "recompute_granularity": "full" if cfg.recompute else "selective" if cfg.selective_recompute else None,
+        "recompute_num_layers": cfg.recompute_num_layers,
     }
 
 
@@ -221,59 +279,82 @@ def enumerate_configs(model: ModelProfile, hw: Hardware, gpus: int, global_batch
     else:  # P divides the layers, the embedding and the loss counted where the flags say
         pps = space.pp_sizes or tuple(_divisors(model.num_layers + split.account_for_embedding
                                                 + split.account_for_loss))
-    vp_sizes = {pp: _vp_sizes(model, pp, split) for pp in pps}
+    vp_sizes = {pp: _vp_sizes(model, pp, split, space.layers_per_virtual_stage) for pp in pps}
+    fixed = space.layer_settings()
+    etp = space.etp
     for tp in tps:
-        if g % tp or model.num_heads % tp or gpus % tp:
-            bad.append((None, f"T={tp} must divide the {g} GPUs per node, the {model.num_heads} heads and --gpus {gpus}"))
+        if g % tp or model.num_heads % tp or model.query_groups % tp or model.hidden_size % tp or gpus % tp:
+            bad.append((None, f"T={tp} must divide the {g} GPUs per node, the {model.num_heads} heads, the "
+                              f"{model.query_groups} query groups, hidden size {model.hidden_size} and --gpus {gpus}"))
             continue
-        for pp in pps:
-            splits = vp_sizes[pp]
-            if gpus % (tp * pp) or not splits:
-                bad.append((None, f"T*P={tp * pp} must divide --gpus {gpus}, and P the {model.num_layers} layers "
-                                  f"({'equally' if space.split.even else 'as the uneven-split flags ask'})"))
+        for cp in space.cp_choices(model):
+            if cp < 1 or model.seq_length % (2 * cp if cp > 1 else 1) or gpus % (tp * cp):
+                bad.append((None, f"CP={cp} must split the sequence of {model.seq_length} into 2 x CP chunks and T*CP="
+                                  f"{tp * cp} divide --gpus {gpus}"))
                 continue
-            dp = gpus // (tp * pp)
-            if global_batch % dp:
-                bad.append((None, f"--global-batch-size {global_batch} is not a multiple of D={dp} (T={tp}, P={pp})"))
-                continue
-            per_dp = global_batch // dp
-            for b in space.micro_batch_sizes:
-                if per_dp % b:
+            for pp in pps:
+                splits = vp_sizes[pp]
+                if gpus % (tp * cp * pp) or not splits:
+                    bad.append((None, f"T*CP*P={tp * cp * pp} must divide --gpus {gpus}, and P the {model.num_layers} "
+                                      f"layers ({'equally' if space.split.even else 'as the uneven-split flags ask'})"))
                     continue
-                m = per_dp // b
-                for sched in space.schedules:
-                    if pp == 1 and sched != "1f1b":
-                        continue  # without a pipeline every schedule is 1F1B
-                    if not KINDS[sched].virtual_stages:
-                        vps = [1] if 1 in splits else []
-                    else:
-                        vps = [v for v in splits if v >= 2 and (space.vp_sizes is None or v in space.vp_sizes)]
-                    for vp in vps:
-                        groups = _group_sizes(sched, pp, m, space.search_group_size)
-                        for zero in space.zero_stages:
-                            # Stock tries Megatron's optimizer-step overlap where its check allows it.
-                            gather_options = (False, True) if (space.stock and sched in STOCK_SCHEDULES
-                                                               and KINDS[sched].virtual_stages and zero == 1
-                                                               and space.dp_overlap) else (False,)
-                            for rc in space.recompute:
-                                base = Config(tp, pp, vp, dp, b, m, sched, zero, rc, None,
-                                              space.dp_overlap, space.p2p_overlap,
-                                              w_reruns_input_grad=space.w_reruns_input_grad,
-                                              w_at_input_grad=space.w_at_input_grad, split=space.split,
-                                              stock_optimizer=space.stock_optimizer)
-                                if m > space.max_microbatches:
-                                    bad.append((base, f"M={m} micro-batches per step exceeds the search limit "
-                                                      f"{space.max_microbatches}; a larger micro-batch size covers it"))
-                                    continue
-                                if not groups:
-                                    bad.append((base, f"{sched} needs M >= P micro-batches (M={m}, P={pp})"))
-                                    continue
-                                for gs in groups:
-                                    for with_opt in gather_options:
-                                        out.append(dataclasses.replace(
-                                            base, group_size=None if gs == KINDS[sched].group_size_for(pp, m, None)
-                                            else gs, param_gather_with_optimizer=with_opt))
+                dp = gpus // (tp * cp * pp)
+                if global_batch % dp:
+                    bad.append((None, f"--global-batch-size {global_batch} is not a multiple of D={dp} (T={tp}, "
+                                      f"CP={cp}, P={pp})"))
+                    continue
+                for ep in space.ep_choices(model):
+                    if model.is_moe and (model.num_experts % ep or (tp * cp * dp) % (ep * (etp or tp))):
+                        bad.append((None, f"EP={ep} must divide the {model.num_experts} experts, and EP x ETP = "
+                                          f"{ep * (etp or tp)} the T*CP*D = {tp * cp * dp} ranks of a stage"))
+                        continue
+                    if not model.is_moe and ep != 1:
+                        continue
+                    _layouts(out, bad, model, space, fixed, tp, cp, pp, dp, ep, global_batch // dp, splits)
     return out, bad
+
+
+def _layouts(out: list[Config], bad: list[tuple[Config | None, str]], model: ModelProfile, space: SearchSpace,
+             fixed: dict, tp: int, cp: int, pp: int, dp: int, ep: int, per_dp: int, splits: list[int]) -> None:
+    """The configurations of one T, CP, P, D, EP layout: every b, schedule, V, group size, ZeRO stage and
+    recomputation the space allows."""
+    for b in space.micro_batch_sizes:
+        if per_dp % b:
+            continue
+        m = per_dp // b
+        for sched in space.schedules:
+            if pp == 1 and sched != "1f1b":
+                continue  # without a pipeline every schedule is 1F1B
+            if not KINDS[sched].virtual_stages:
+                vps = [1] if 1 in splits else []
+            else:
+                vps = [v for v in splits if v >= 2 and (space.vp_sizes is None or v in space.vp_sizes)]
+            for vp in vps:
+                groups = _group_sizes(sched, pp, m, space.search_group_size)
+                for zero in space.zero_stages:
+                    # Stock tries Megatron's optimizer-step overlap where its check allows it.
+                    gather_options = (False, True) if (space.stock and sched in STOCK_SCHEDULES
+                                                       and KINDS[sched].virtual_stages and zero == 1
+                                                       and space.dp_overlap) else (False,)
+                    for rc in space.recompute:
+                        base = Config(tp, pp, vp, dp, b, m, sched, zero, rc, None,
+                                      space.dp_overlap, space.p2p_overlap,
+                                      w_reruns_input_grad=space.w_reruns_input_grad,
+                                      w_at_input_grad=space.w_at_input_grad, split=space.split,
+                                      stock_optimizer=space.stock_optimizer, cp=cp, ep=ep,
+                                      **{**fixed, "recompute_num_layers": fixed["recompute_num_layers"] if rc else None})
+                        if m > space.max_microbatches:
+                            bad.append((base, f"M={m} micro-batches per step exceeds the search limit "
+                                              f"{space.max_microbatches}; a larger micro-batch size covers it"))
+                            continue
+                        if not groups:
+                            bad.append((base, f"{sched} needs M >= P micro-batches (M={m}, P={pp})"))
+                            continue
+                        for gs in groups:
+                            for with_opt in gather_options:
+                                out.append(dataclasses.replace(
+                                    base, group_size=None if gs == KINDS[sched].group_size_for(pp, m, None)
+                                    else gs, param_gather_with_optimizer=with_opt))
 
 
 def stock_fallback_layouts(configs: list[Config]) -> list[tuple[int, int, int, int, int]]:
@@ -283,10 +364,16 @@ def stock_fallback_layouts(configs: list[Config]) -> list[tuple[int, int, int, i
                    if c.vp >= 2 and stock_schedule(c.pp, c.vp, c.microbatches)[1] == 1})
 
 
-def _vp_sizes(model: ModelProfile, pp: int, split: StageSplit) -> list[int]:
-    """Every V for which Megatron-LM splits the layers over P * V stages under these split flags."""
+def _vp_sizes(model: ModelProfile, pp: int, split: StageSplit,
+              layers_per_stage: tuple[int, ...] | None = None) -> list[int]:
+    """Every V for which Megatron-LM splits the layers over P * V stages under these split flags (with
+    `layers_per_stage`, only those whose stages hold that many layers, as --num-layers-per-virtual-pipeline-stage
+    sets V: layers, the embedding and the loss counted as the flags say, over P * V)."""
+    units = model.num_layers + split.account_for_embedding + split.account_for_loss
     out = []
     for v in range(1, model.num_layers // pp + 2):
+        if layers_per_stage is not None and (units % (pp * v) or units // (pp * v) not in layers_per_stage):
+            continue
         try:
             stage_layer_counts(model.num_layers, pp, v, split)
         except ValueError:
@@ -327,9 +414,10 @@ def plan(model: ModelProfile, hw: Hardware, gpus: int, global_batch: int, space:
     configs, bad = enumerate_configs(model, hw, gpus, global_batch, space)
     fallback = stock_fallback_layouts(configs + [c for c, _ in bad if c is not None])
     bounds = _Bounds(model, hw)
+    flops_at = functools.lru_cache(maxsize=None)(lambda tp: model.model_flops_per_sequence(tp) * global_batch)
+
     def ub(cfg: Config) -> float:
-        flops = model.model_flops_per_sequence(cfg.tp) * global_batch
-        return flops / bounds.step_lower_bound(cfg, cfg.partition(model)) / gpus / 1e12
+        return flops_at(cfg.tp) / bounds.step_lower_bound(cfg, cfg.partition(model)) / gpus / 1e12
 
     ranked = sorted(((ub(c), i, c) for i, c in enumerate(configs)), key=lambda x: (-x[0], x[1]))
     rejected = [Rejection(c, why, ub(c)) for c, why in bad if c is not None]
