@@ -9,8 +9,9 @@ import sys
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "schedule": ("megatron_bfpp.schedule.cli", "main", "build, lower, validate and print a pipeline schedule"),
     "train": ("megatron_bfpp.train.launcher", "main", "train a GPT on N local processes (CPU/gloo or GPU/NCCL)"),
-    "simulate": ("megatron_bfpp.sim.cli", "simulate_main", "predict step time, bubble, memory of a configuration"),
-    "plan": ("megatron_bfpp.sim.cli", "plan_main", "search parallel layouts and rank them by throughput"),
+    "simulate": ("megatron_bfpp.megatron.sim_cli", "simulate_main",
+                 "predict step time, bubble, memory of a run given as pretrain_gpt.py flags"),
+    "plan": ("megatron_bfpp.megatron.sim_cli", "plan_main", "search parallel layouts and rank them by throughput"),
     "draw": ("megatron_bfpp.trace.cli", "draw_main", "draw a schedule, simulation or recorded timeline as PNG"),
     "report": ("megatron_bfpp.trace.cli", "report_main", "side-by-side summary of run reports"),
 }

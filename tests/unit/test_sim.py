@@ -1,8 +1,5 @@
-"""Cost model, event simulator, planner and CLI of megatron_bfpp.sim (pure Python, fast)."""
-
-import json
-import subprocess
-import sys
+"""Cost model, event simulator and planner of megatron_bfpp.sim (pure Python, fast; the commands:
+tests/unit/test_sim_cli.py)."""
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -381,62 +378,6 @@ def test_plan_rejects_what_does_not_fit():
     assert any("GiB" in r.reason for r in res.rejected) and res.notes
 
 
-# ------------------------------------------------------------------ CLI
-
-def _bfpp(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_bfpp.cli", *args], capture_output=True, text=True,
-                          timeout=120)
-
-
-SIM = ["simulate", "--model", "gpt-52b", "--hardware", "dgx-a100", "--gpus", "256", "--global-batch-size", "64",
-       "--micro-batch-size", "1", "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4",
-       "--num-layers-per-virtual-pipeline-stage", "8", "--pipeline-schedule", "breadth-first", "--zero-stage", "3"]
-
-
-def test_cli_simulate_json(subprocesses):
-    out = _bfpp(*SIM, "--recompute", "--json")
-    assert out.returncode == 0, out.stderr
-    d = json.loads(out.stdout)
-    for k in ("step_time_s", "tflops_per_gpu", "mfu", "bubble_fraction", "exposed_dp_s", "exposed_pp_s",
-              "peak_memory_gib", "fits"):
-        assert k in d
-    assert d["config"]["virtual_pipeline_model_parallel_size"] == 2 and d["config"]["recompute"] is True
-    # Turning overlap off (same configuration, no recomputation on either side) exposes the communication that
-    # the schedule hid: the data-parallel and p2p waits grow and the step gets slower.
-    on = json.loads(_bfpp(*SIM, "--json").stdout)
-    off = json.loads(_bfpp(*SIM, "--json", "--dp-overlap", "off", "--p2p-overlap", "off").stdout)
-    assert off["config"]["dp_overlap"] is False and on["config"]["dp_overlap"] is True
-    assert off["exposed_dp_s"] > on["exposed_dp_s"] and off["exposed_pp_s"] > on["exposed_pp_s"]
-    assert off["step_time_s"] > on["step_time_s"] * 1.05
-
-
-def test_cli_plan_json(subprocesses):
-    out = _bfpp("plan", "--model", "gpt-1.3b", "--hardware", "h200", "--gpus", "16", "--global-batch-size", "32",
-                "--pipeline-schedule", "breadth-first", "--zero-stage", "3", "--top", "3", "--json")
-    assert out.returncode == 0, out.stderr
-    d = json.loads(out.stdout)
-    cands = d["candidates"]
-    assert 1 <= len(cands) <= 3
-    keys = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-            "data_parallel_size", "micro_batch_size", "pipeline_schedule", "zero_stage", "recompute"}
-    for c in cands:
-        assert keys <= set(c["config"]) and {"tflops_per_gpu", "step_time_s", "peak_memory_gib", "fits"} <= set(c)
-        assert c["config"]["pipeline_schedule"] == "breadth-first" and c["config"]["zero_stage"] == 3 and c["fits"]
-    assert [c["tflops_per_gpu"] for c in cands] == sorted((c["tflops_per_gpu"] for c in cands), reverse=True)
-
-
-def test_cli_group_size_and_trace(subprocesses, tmp_path):
-    trace = tmp_path / "sim.json"
-    out = _bfpp(*SIM, "--microbatch-group-size-per-virtual-pipeline-stage", "4", "--json", "--trace", str(trace))
-    assert out.returncode == 0, out.stderr
-    d = json.loads(out.stdout)
-    assert d["config"]["microbatch_group_size_per_vp_stage"] == 4 and d["config"]["num_micro_batches"] == 8
-    events = json.loads(trace.read_text())["traceEvents"]
-    assert any(e.get("name") == "F0:0" for e in events) and any(e.get("name", "").startswith("GATHER") for e in events)
-    bad = _bfpp(*SIM, "--microbatch-group-size-per-virtual-pipeline-stage", "9")
-    assert bad.returncode == 2 and "group-size" in bad.stderr
-
-
 def test_prediction_for_trainer_runs():
     from types import SimpleNamespace
 
@@ -454,23 +395,3 @@ def test_prediction_for_trainer_runs():
     args.num_layers = 5  # uneven stages: outside the cost model, reported instead of raised
     assert "error" in predict_for_trainer(args, [])
 
-
-@pytest.mark.parametrize("args,flag", [
-    (["--gpus", "250"], "--gpus"),
-    (["--global-batch-size", "100"], "--global-batch-size"),
-    (["--num-layers-per-virtual-pipeline-stage", "3"], "--num-layers-per-virtual-pipeline-stage"),
-    (["--pipeline-model-parallel-size", "5"], "--pipeline-model-parallel-size"),
-    (["--tensor-model-parallel-size", "16"], "--tensor-model-parallel-size"),
-    (["--hardware", "tpu-v4"], "--hardware"),
-])
-def test_cli_errors_name_the_flag(subprocesses, args, flag):
-    argv = list(SIM)
-    for k, v in zip(args[::2], args[1::2]):
-        if k in argv:
-            argv[argv.index(k) + 1] = v
-        else:
-            argv += [k, v]
-    out = _bfpp(*argv)
-    assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and flag in lines[0] and "error" in lines[0]

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import megatron.training.arguments  # noqa: F401  (Megatron's parser, imported at collection: seconds of CPU)
 import pytest
 
 from megatron_bfpp.megatron.presets import preset_flags, preset_names
 from megatron_bfpp.megatron.sim_flags import FlagError, launch_flags, read_run
 from megatron_bfpp.sim import get_hardware
 from megatron_bfpp.sim.model import MODELS, StageSplit
+import tests.support.megatron_parser  # noqa: F401  (Megatron's parser: imported once, at collection)
 
 H100 = get_hardware("dgx-h100")
 A100 = get_hardware("dgx-a100")

@@ -7,12 +7,13 @@ import itertools
 
 import pytest
 
+from megatron_bfpp.megatron.sim_cli import simulate_main
 from megatron_bfpp.sim import Config, get_hardware, get_model, plan, predict
-from megatron_bfpp.sim.cli import simulate_main
 from megatron_bfpp.sim.model import EVEN_STAGES, ModelProfile, Partition, StageSplit, stage_layer_counts
 from megatron_bfpp.sim.planner import SearchSpace
 from megatron_bfpp.sim.predict import memory
 from tests.support.sim_profiles import num_params
+import tests.support.megatron_parser  # noqa: F401  (Megatron's parser: imported once, at collection)
 
 GPT52 = get_model("gpt-52b")
 A100 = get_hardware("dgx-a100")
@@ -118,11 +119,17 @@ def test_simulate_cli_takes_megatrons_uneven_flags(capsys: pytest.CaptureFixture
             "--pipeline-schedule", "interleaved-zb", "--zero-stage", "2"]
     flags = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
     assert simulate_main(base + ["--num-virtual-stages-per-pipeline-rank", "33", *flags]) == 0
-    assert "step time" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "step time" in table and " V=33 " in table
     assert simulate_main(base + ["--num-virtual-stages-per-pipeline-rank", "32", *flags]) == 2
     assert "--account-for-embedding/loss-in-pipeline-split" in capsys.readouterr().err
-    assert simulate_main(base + ["--num-layers-per-virtual-pipeline-stage", "1", *flags]) == 2
-    assert "--num-virtual-stages-per-pipeline-rank" in capsys.readouterr().err
+    # Megatron counts the embedding and the loss as layers here too: 66 / (P = 2) / 1 = V = 33.
+    assert simulate_main(base + ["--num-layers-per-virtual-pipeline-stage", "1", *flags]) == 0
+    assert table == capsys.readouterr().out
+    # ... but sets V of the first/last-rank split with --num-virtual-stages-per-pipeline-rank only (its own error).
+    assert simulate_main(base + ["--num-layers-per-virtual-pipeline-stage", "1",
+                                 "--decoder-first-pipeline-num-layers", "16"]) == 2
+    assert "please use --num-virtual-stages-per-pipeline-rank" in capsys.readouterr().err
 
 
 def _megatron_layouts(num_layers: int, split: StageSplit, pps: range) -> set[tuple[int, int]]:
