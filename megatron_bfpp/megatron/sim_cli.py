@@ -13,11 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 from ..schedule import SCHEDULE_NAMES
 from ..sim.costs import Config
-from ..sim.hardware import PROFILES, get_hardware
+from ..sim.hardware import PROFILES, Hardware, get_hardware
+from ..sim.layer_costs import measured_profile
+from ..sim.model import ModelProfile, get_model
 from ..sim.planner import STOCK_FALLBACK_RULE, ZERO_STAGES, PlanResult, config_json, plan, stock_schedule
 from ..sim.predict import predict
 from .plan_flags import SearchOptions, read_plan
@@ -39,7 +42,28 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "at-i = nothing, the whole backward runs at I (layers that cannot defer), rerun-dgrad = the "
                         "fused linear nodes' whole backward again (a split on the autograd graph of one-Function "
                         "layers)")
+    p.add_argument("--hardware-report", metavar="PATH", default=None,
+                   help="the device kit's layer table measured on the GPU (scripts/gpu_check.py layer --json): its "
+                        "achieved GEMM, attention and memory rates replace the profile's")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def hardware(opts: argparse.Namespace) -> Hardware:
+    """The --hardware profile, with a device's own measured rates when --hardware-report gives them."""
+    base = get_hardware(opts.hardware)
+    if opts.hardware_report is None:
+        return base
+    try:
+        report = json.loads(Path(opts.hardware_report).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--hardware-report {opts.hardware_report}: {e}") from None
+    spec = str(report.get("model", ""))
+    if spec.count(":") == 2:  # the device kit's small shapes, HIDDEN:HEADS:SEQ
+        h, heads, seq = (int(x) for x in spec.split(":"))
+        measured = ModelProfile(spec, 1, h, heads, seq)
+    else:
+        measured = get_model(spec)
+    return measured_profile(base, report, measured)
 
 
 def simulate_parser() -> argparse.ArgumentParser:
@@ -106,7 +130,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
 
 def _simulate(argv: list[str]) -> int:
     opts, flags = split_argv(simulate_parser(), argv)
-    hw = get_hardware(opts.hardware)
+    hw = hardware(opts)
     model, cfg = read_run(flags, opts.gpus, hw, opts.model)
     cfg = _with_split_backward_w(cfg, opts.split_backward_w)
     pred = predict(model, hw, cfg, record_events=opts.trace is not None, check=True)
@@ -157,7 +181,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 
 def _plan(argv: list[str]) -> int:
     opts, flags = split_argv(plan_parser(), argv)
-    hw = get_hardware(opts.hardware)
+    hw = hardware(opts)
     if opts.top < 1:
         raise ValueError(f"--top must be >= 1 (got {opts.top})")
     options = SearchOptions(

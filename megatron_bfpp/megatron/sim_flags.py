@@ -74,7 +74,8 @@ def parse_flags(flags: Sequence[str], world_size: int, hw: Hardware) -> argparse
     from .check import parse_megatron_args
     from .validation import ConfigError
 
-    arch = GPU_ARCH.get(hw.name, 9)  # a measured profile of another name: Hopper
+    # A measured profile is named after its base ("dgx-h100 (measured: ...)"); an unknown one is taken as Hopper.
+    arch = next((a for name, a in GPU_ARCH.items() if hw.name == name or hw.name.startswith(name + " ")), 9)
     with _quiet() as said:
         try:
             args = parse_megatron_args(list(flags), world_size, gpu_arch=arch, env=LAUNCH_ENV)

@@ -251,3 +251,25 @@ def test_bfpp_command_dispatches_to_the_commands(subprocesses) -> None:
     out = subprocesses.run([sys.executable, "-m", "megatron_bfpp.cli", "plan", "--help"], capture_output=True,
                            text=True, timeout=300)
     assert out.returncode == 0 and "pretrain_gpt.py" in out.stdout
+
+
+def test_hardware_report_gives_the_devices_rates(capsys: pytest.CaptureFixture, tmp_path) -> None:
+    """The device kit's layer table (one 4096-wide layer, its GEMMs at 300 TFLOP/s on an H100) replaces the
+    profile's rates: the same run predicts slower, on a profile named after the device."""
+    n, h, f = 2048, 4096, 16384
+    rows = [{"op": op, "fwd_measured_ms": 2 * n * k * o / 300e12 * 1e3, "bwd_measured_ms": 4 * n * k * o / 300e12 * 1e3}
+            for op, (k, o) in {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, f), "fc2": (f, h)}.items()]
+    attn = 4 * n * n * h / 2
+    rows += [{"op": "attention", "fwd_measured_ms": attn / 300e12 * 1e3, "bwd_measured_ms": 2.5 * attn / 200e12 * 1e3},
+             {"op": "elementwise", "fwd_measured_ms": 0.5, "bwd_measured_ms": 1.0}]
+    report = tmp_path / "layer.json"
+    report.write_text(json.dumps({"model": "4096:32:2048", "micro_batch_size": 1, "ops": rows, "device": "H100 SXM"}))
+    run = ["--model", "gpt-13b", "--hardware", "dgx-h100", "--gpus", "64", "--json", "--",
+           "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4", "--micro-batch-size", "1",
+           "--global-batch-size", "64", "--sequence-parallel"]
+    _, profile = _json(capsys, simulate_main, run)
+    code, measured = _json(capsys, simulate_main, ["--hardware-report", str(report), *run])
+    assert code == 0 and measured["hardware"] == "dgx-h100 (measured: H100 SXM)"
+    assert measured["step_time_s"] > profile["step_time_s"]
+    assert simulate_main(["--hardware-report", str(tmp_path / "none.json"), *run]) == 2
+    assert "--hardware-report" in capsys.readouterr().err
