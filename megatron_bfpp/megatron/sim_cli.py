@@ -11,6 +11,7 @@ A preset's flags (`--model`, `megatron_bfpp/presets/`) come first and the flags 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -168,8 +169,6 @@ def _simulate(argv: list[str]) -> int:
 
 
 def _with_split_backward_w(cfg: Config, how: str) -> Config:
-    import dataclasses
-
     return dataclasses.replace(cfg, w_reruns_input_grad=how == "rerun-dgrad", w_at_input_grad=how == "at-i")
 
 
