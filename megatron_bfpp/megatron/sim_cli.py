@@ -22,7 +22,8 @@ from ..sim.costs import Config
 from ..sim.hardware import PROFILES, Hardware, get_hardware
 from ..sim.layer_costs import measured_profile
 from ..sim.model import ModelProfile, get_model
-from ..sim.planner import STOCK_FALLBACK_RULE, ZERO_STAGES, PlanResult, config_json, plan, stock_schedule
+from ..sim.predict import config_dict
+from ..sim.planner import STOCK_FALLBACK_RULE, ZERO_STAGES, PlanResult, plan, stock_schedule
 from ..sim.predict import predict
 from .plan_flags import SearchOptions, read_plan
 from .presets import preset_flags, preset_names
@@ -135,7 +136,7 @@ def _simulate(argv: list[str]) -> int:
     model, cfg = read_run(flags, opts.gpus, hw, opts.model)
     cfg = _with_split_backward_w(cfg, opts.split_backward_w)
     pred = predict(model, hw, cfg, record_events=opts.trace is not None, check=True)
-    out = {**pred.to_dict(), "config": config_json(cfg)}
+    out = {**pred.to_dict(), "config": config_dict(cfg)}
     if opts.trace:
         from ..trace.chrome import write_chrome_trace
 

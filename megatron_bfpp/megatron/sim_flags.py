@@ -66,6 +66,21 @@ def _quiet() -> Iterator[io.StringIO]:
         yield sink
 
 
+@contextlib.contextmanager
+def _cluster_transformer_engine() -> Iterator[None]:
+    """Megatron's argument checks ask the installed TransformerEngine's version (`is_te_min_version`); the run
+    simulated is on the cluster, whose TransformerEngine is the one its flags were written for, not this machine's:
+    answer that it is recent enough."""
+    from megatron.training import arguments
+
+    original = arguments.is_te_min_version
+    arguments.is_te_min_version = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        arguments.is_te_min_version = original
+
+
 def parse_flags(flags: Sequence[str], world_size: int, hw: Hardware) -> argparse.Namespace:
     """Megatron-LM's parse_args + validate_args on `flags` for `world_size` ranks of `hw`; FlagError carrying
     Megatron's own message when it rejects them (the plugin's ConfigError as it is). (Megatron-Core's
@@ -76,7 +91,7 @@ def parse_flags(flags: Sequence[str], world_size: int, hw: Hardware) -> argparse
 
     # A measured profile is named after its base ("dgx-h100 (measured: ...)"); an unknown one is taken as Hopper.
     arch = next((a for name, a in GPU_ARCH.items() if hw.name == name or hw.name.startswith(name + " ")), 9)
-    with _quiet() as said:
+    with _quiet() as said, _cluster_transformer_engine():
         try:
             args = parse_megatron_args(list(flags), world_size, gpu_arch=arch, env=LAUNCH_ENV)
         except ConfigError:
@@ -137,7 +152,6 @@ UNMODELLED_FLAGS = {
     "--optimizer-cpu-offload": "optimizer offloading",
     "--distribute-saved-activations": "recomputation inputs spread over the tensor-parallel ranks",
     "--moe-layer-recompute": "recomputation of MoE layers alone",
-    "--grad-reduce-in-bf16": "bf16 gradient reduction (it reduces fp32)",
 }
 
 
@@ -265,6 +279,7 @@ def layer_settings(args: argparse.Namespace, given: set[str]) -> dict:
         # block: the first N layers of each stage; uniform: every layer (groups of N share one kept input).
         recompute_num_layers=args.recompute_num_layers if full and args.recompute_method == "block" else None,
         selective_recompute=args.recompute_granularity == "selective",
+        grad_reduce_bf16=bool(getattr(args, "grad_reduce_in_bf16", False)),
     )
 
 

@@ -345,6 +345,12 @@ class Config:
     moe_a2a_overlap: bool = False  # --overlap-moe-expert-parallel-comm
     recompute_num_layers: int | None = None  # full recomputation of only the first N layers of a stage (block)
     selective_recompute: bool = False  # --recompute-granularity selective (core attention)
+    grad_reduce_bf16: bool = False  # --grad-reduce-in-bf16: gradient buffers and their reduction in bf16
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element as reduced and buffered (Megatron's main_grad dtype)."""
+        return 2 if self.grad_reduce_bf16 else GRAD_BYTES
 
     @property
     def optimizer_in_schedule(self) -> bool:
@@ -402,12 +408,12 @@ def analytic_costs(hw: Hardware, part: Partition, cfg: Config) -> Costs:
         kind = "all_reduce" if cfg.zero_stage == 0 else "reduce_scatter"
         gather = (ring_time(hw, PARAM_BYTES * dense, *place.grad_group, "all_gather")
                   + ring_time(hw, PARAM_BYTES * experts, *place.expert_grad_group, "all_gather"))
-        reduce = (ring_time(hw, GRAD_BYTES * dense, *place.grad_group, kind)
-                  + ring_time(hw, GRAD_BYTES * experts, *place.expert_grad_group, kind))
+        reduce = (ring_time(hw, cfg.grad_bytes * dense, *place.grad_group, kind)
+                  + ring_time(hw, cfg.grad_bytes * experts, *place.expert_grad_group, kind))
         if st.last and not st.first and not part.model.untie_embeddings:
             # Tied embeddings on a pipeline: the word-embedding gradient is all-reduced between the first and the
             # last stage (Megatron's embedding group) before the data-parallel reduction.
-            emb = GRAD_BYTES * part.padded_vocab * part.model.hidden_size / part.tp
+            emb = cfg.grad_bytes * part.padded_vocab * part.model.hidden_size / part.tp
             reduce += ring_time(hw, emb, 1, 2, "all_reduce") if place.pp_inter_node(0, r) else \
                 ring_time(hw, emb, 2, 1, "all_reduce")
         ag.append(gather if cfg.zero_stage == 3 else 0.0)
@@ -479,20 +485,20 @@ def memory_breakdown(part: Partition, cfg: Config, rank: int, activations: float
     shard = sharded_params(part, cfg, rank)
     stages = [rank + c * cfg.pp for c in range(cfg.vp)]
     sizes = sorted((part.stage_params(s) for s in stages), reverse=True)
-    z = cfg.zero_stage
+    z, g = cfg.zero_stage, cfg.grad_bytes
     wbuf = sum(sizes[: cfg.weight_buffers])  # buffers sized for the largest stages they may hold
     gbuf = sum(sizes[: cfg.grad_buffers])
     mem = {"weights": 0.0, "weight_buffers": 0.0, "gradients": 0.0, "grad_buffers": 0.0, "optimizer": 0.0}
     if z == 0:
-        mem.update(weights=PARAM_BYTES * phi, gradients=GRAD_BYTES * phi, optimizer=12 * phi)
+        mem.update(weights=PARAM_BYTES * phi, gradients=g * phi, optimizer=12 * phi)
     elif z == 1:
-        mem.update(weights=PARAM_BYTES * phi, gradients=GRAD_BYTES * phi, optimizer=12 * shard)
+        mem.update(weights=PARAM_BYTES * phi, gradients=g * phi, optimizer=12 * shard)
     elif z == 2:
-        mem.update(weights=PARAM_BYTES * phi, gradients=GRAD_BYTES * shard, optimizer=12 * shard,
-                   grad_buffers=GRAD_BYTES * gbuf)
+        mem.update(weights=PARAM_BYTES * phi, gradients=g * shard, optimizer=12 * shard,
+                   grad_buffers=g * gbuf)
     elif z == 3:
         mem.update(weights=PARAM_BYTES * shard, weight_buffers=PARAM_BYTES * wbuf,
-                   gradients=GRAD_BYTES * shard, grad_buffers=GRAD_BYTES * gbuf, optimizer=12 * shard)
+                   gradients=g * shard, grad_buffers=g * gbuf, optimizer=12 * shard)
     else:
         raise ValueError(f"--zero-stage must be 0, 1, 2 or 3 (got {z})")
     if cfg.fp8 is not None:

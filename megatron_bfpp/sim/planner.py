@@ -68,6 +68,7 @@ class SearchSpace:
     moe_a2a_overlap: bool = False
     recompute_num_layers: int | None = None
     selective_recompute: bool = False
+    grad_reduce_bf16: bool = False
     weight_buffers: int = 2
     grad_buffers: int = 2
 
@@ -80,7 +81,8 @@ class SearchSpace:
         return dict(etp=self.etp, sequence_parallel=self.sequence_parallel, attention=self.attention, fp8=self.fp8,
                     tp_comm_overlap=self.tp_comm_overlap, moe_a2a_overlap=self.moe_a2a_overlap,
                     recompute_num_layers=self.recompute_num_layers, selective_recompute=self.selective_recompute,
-                    weight_buffers=self.weight_buffers, grad_buffers=self.grad_buffers)
+                    grad_reduce_bf16=self.grad_reduce_bf16, weight_buffers=self.weight_buffers,
+                    grad_buffers=self.grad_buffers)
 
     def cp_choices(self, model: ModelProfile) -> tuple[int, ...]:
         if self.cp_sizes is not None:
@@ -135,7 +137,7 @@ class Rejection:
     tflops_upper_bound: float
 
     def to_dict(self) -> dict:
-        return {"config": config_json(self.config), "reason": self.reason,
+        return {"config": config_dict(self.config), "reason": self.reason,
                 "tflops_per_gpu_upper_bound": self.tflops_upper_bound}
 
 
@@ -176,7 +178,7 @@ def _candidate_dict(p: Prediction) -> dict:
     c = p.config
     stock_kind, stock_vp = stock_schedule(c.pp, c.vp, c.microbatches)
     return {
-        "config": config_json(p.config),
+        "config": config_dict(p.config),
         "tflops_per_gpu": p.tflops_per_gpu,
         "step_time_s": p.step_time_s,
         "step_lower_bound_s": p.step_lower_bound_s,
@@ -189,24 +191,6 @@ def _candidate_dict(p: Prediction) -> dict:
         # What stock Megatron-Core runs at this candidate's T, P, D, b and M.
         "stock_at_layout": {"pipeline_schedule": stock_kind, "virtual_pipeline_model_parallel_size": stock_vp,
                             "falls_back": stock_vp != c.vp},
-    }
-
-
-def config_json(cfg: Config) -> dict:
-    """`config_dict` (the planner's JSON contract) with how the layers run: context, expert and expert-tensor
-    parallelism, sequence parallelism, attention kernel, FP8 recipe, overlaps and recomputation."""
-    return {
-        **config_dict(cfg),
-        "context_parallel_size": cfg.cp,
-        "expert_model_parallel_size": cfg.ep,
-        "expert_tensor_parallel_size": cfg.etp or cfg.tp,
-        "sequence_parallel": cfg.sequence_parallel and cfg.tp > 1,
-        "attention": cfg.attention,
-        "fp8_recipe": cfg.fp8,
-        "tp_comm_overlap": cfg.tp_comm_overlap,
-        "overlap_moe_expert_parallel_comm": cfg.moe_a2a_overlap,
-        "recompute_granularity": "full" if cfg.recompute else "selective" if cfg.selective_recompute else None,
-        "recompute_num_layers": cfg.recompute_num_layers,
     }
 
 

@@ -155,6 +155,19 @@ def config_dict(cfg: Config) -> dict:
         "account_for_loss_in_pipeline_split": cfg.split.account_for_loss,
         "overlap_param_gather_with_optimizer_step": cfg.param_gather_with_optimizer,
         "optimizer_in_schedule": cfg.optimizer_in_schedule,
+        # How the layers run: context, expert and expert-tensor parallelism, sequence parallelism, attention kernel,
+        # FP8 recipe, overlaps, recomputation, gradient precision.
+        "context_parallel_size": cfg.cp,
+        "expert_model_parallel_size": cfg.ep,
+        "expert_tensor_parallel_size": cfg.etp or cfg.tp,
+        "sequence_parallel": cfg.sequence_parallel and cfg.tp > 1,
+        "attention": cfg.attention,
+        "fp8_recipe": cfg.fp8,
+        "tp_comm_overlap": cfg.tp_comm_overlap,
+        "overlap_moe_expert_parallel_comm": cfg.moe_a2a_overlap,
+        "recompute_granularity": "full" if cfg.recompute else "selective" if cfg.selective_recompute else None,
+        "recompute_num_layers": cfg.recompute_num_layers,
+        "grad_reduce_in_bf16": cfg.grad_reduce_bf16,
     }
 
 

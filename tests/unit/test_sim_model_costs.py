@@ -272,3 +272,20 @@ def test_fp8_weight_copies_stay_resident():
     assert first["fp8_weight_copies"] == pytest.approx(
         2 * (part.stage_params(0) + part.stage_params(4) - LLAMA70.embedding_params(8) / 8))
     assert "fp8_weight_copies" not in memory_breakdown(part, Config(8, 4, 2, 8, 1, 8, "breadth-first", 3, False), 1, 0.0)
+
+
+def test_gradients_reduced_in_bf16_halve_the_reduction_and_the_buffers():
+    """--grad-reduce-in-bf16: Megatron's gradient buffers, and so their reduce-scatter, in bf16 (2 bytes)."""
+    from megatron_bfpp.sim.costs import memory_breakdown
+
+    base = Config(8, 4, 2, 8, 1, 8, "interleaved-1f1b", 1, False, stock_optimizer=True)
+    bf16 = Config(8, 4, 2, 8, 1, 8, "interleaved-1f1b", 1, False, stock_optimizer=True, grad_reduce_bf16=True)
+    part = base.partition(LLAMA70)
+    place = base.placement(H100)
+    dense = part.stage_params(1)
+    assert analytic_costs(H100, part, bf16).reduce[1] == pytest.approx(
+        ring_time(H100, 2 * dense, *place.grad_group, "reduce_scatter"))
+    assert analytic_costs(H100, part, base).reduce[1] == pytest.approx(
+        ring_time(H100, 4 * dense, *place.grad_group, "reduce_scatter"))
+    assert memory_breakdown(part, bf16, 1, 0.0)["gradients"] == pytest.approx(
+        memory_breakdown(part, base, 1, 0.0)["gradients"] / 2)
