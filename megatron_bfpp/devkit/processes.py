@@ -31,6 +31,7 @@ TERM_GRACE_S = 5.0      # SIGTERM -> SIGKILL
 KILL_WAIT_S = 5.0       # SIGKILL -> giving up on a process (it is stuck in the kernel)
 EXIT_GRACE_S = 20.0     # after a leg's last iteration line, its processes have this long to exit
 POLL_S = 0.25
+TAIL_BYTES = 1 << 16    # of a running leg's output, what `finished` is shown
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -178,8 +179,9 @@ def run_leg_process(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, l
                     finished: Callable[[str], bool] = lambda text: False,
                     exit_grace_s: float = EXIT_GRACE_S) -> Outcome:
     """Run `cmd` with its output appended to `log` as it is written, for at most `limit` seconds; once
-    `finished(output so far)` holds (every iteration ran), its processes have `exit_grace_s` more to exit. Then
-    every process of the leg is ended (`end_processes`). Returns the Outcome with the leg's part of the log.
+    `finished(the output's last TAIL_BYTES)` holds (every iteration ran), its processes have `exit_grace_s` more
+    to exit. Then every process of the leg is ended (`end_processes`). Returns the Outcome with the leg's part of
+    the log.
     An exception inside (the kit being stopped by a signal) ends the leg's processes before it propagates."""
     env = dict(env, **{TOKEN_VAR: token})
     start = log.stat().st_size if log.exists() else 0
@@ -200,7 +202,7 @@ def run_leg_process(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, l
                 if now >= deadline:
                     break
                 chunk = f.read()
-                seen += chunk
+                seen = (seen + chunk)[-TAIL_BYTES:]  # the last iteration line is near the end
                 if chunk and ended != "exit-hang" and finished(seen.decode(errors="replace")):
                     ended, deadline = "exit-hang", min(deadline, now + exit_grace_s)
                 time.sleep(POLL_S)

@@ -375,10 +375,12 @@ class Driver:
         self.work.mkdir(parents=True, exist_ok=True)
         previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS}
         stopped: str | None = None
+        running: Leg | None = None
         try:
             self.write_report()
             for leg in self.legs:
                 t0 = time.monotonic()
+                running = leg
                 self.write_report(running=leg)
                 try:
                     if leg.kind == "install":
@@ -393,6 +395,7 @@ class Driver:
                     res = LegResult(leg.name, "fail", time.monotonic() - t0,
                                     f"device kit error: {type(e).__name__}: {e}")
                 self.results[leg.name] = res
+                running = None
                 self.write_report()
                 print(f"[{self.budget.elapsed():5.0f} s] {res.name}: {res.status} ({res.seconds:.0f} s) {res.detail}",
                       flush=True)
@@ -400,12 +403,11 @@ class Driver:
             stopped = e.name
             if self.token:
                 end_processes(self.token)
-            leg = next((leg for leg in self.legs if leg.name not in self.results), None)
-            if leg is not None:
-                self.results[leg.name] = LegResult(leg.name, "not-run", 0.0, f"stopped by {e.name} "
-                                                   f"{self.budget.elapsed():.0f} s into the run, while this leg ran "
-                                                   f"(its processes were ended; its output so far is in "
-                                                   f"{self.logs[leg.name]})")
+            if running is not None:
+                self.results[running.name] = LegResult(
+                    running.name, "not-run", 0.0, f"stopped by {e.name} {self.budget.elapsed():.0f} s into the run, "
+                    f"while this leg ran (its processes were ended; its output so far is in "
+                    f"{self.logs[running.name]})")
             self.write_report()
         finally:
             for sig, handler in previous.items():
