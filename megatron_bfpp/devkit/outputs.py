@@ -52,19 +52,22 @@ def _lines(output: str) -> list[str]:
 
 
 def nccl_warnings(output: str) -> list[str]:
-    """NCCL's WARN messages and torch's "Last error:" repeats of them, deduplicated, in order."""
-    seen: list[str] = []
+    """NCCL's WARN messages, and torch's "Last error:" lines where no WARN line says the same (NCCL's own lines
+    can be missing: a process killed before NCCL wrote them), deduplicated, in order."""
+    warns: list[str] = []
+    last: list[str] = []
     lines = _lines(output)
     for i, line in enumerate(lines):
         if line == "Last error:" and i + 1 < len(lines) and lines[i + 1]:
-            text = f"Last error: {lines[i + 1]}"
-        elif (m := NCCL_WARN_RE.search(line)) is not None:
-            text = m.group("msg").strip()
-        else:
-            continue
-        if text not in seen:
-            seen.append(text)
-    return seen
+            if lines[i + 1] not in last:
+                last.append(lines[i + 1])
+        elif (m := NCCL_WARN_RE.search(line)) is not None and m.group("msg").strip() not in warns:
+            warns.append(m.group("msg").strip())
+
+    def said(text: str) -> bool:
+        return any(w.startswith(text[:80]) or text.startswith(w[:80]) for w in warns)
+
+    return warns + [f"Last error: {text}" for text in last if not said(text)]
 
 
 def init_refusal(output: str, ranks_up: int) -> str | None:
@@ -75,7 +78,7 @@ def init_refusal(output: str, ranks_up: int) -> str | None:
         if any(pattern in w for pattern in INIT_REFUSALS):
             return w
     if ranks_up == 0 and INVALID_USAGE in output:
-        return next((w for w in words if w.startswith("Last error:")), INVALID_USAGE)
+        return words[0] if words else INVALID_USAGE
     return None
 
 
