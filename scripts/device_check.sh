@@ -3,15 +3,20 @@
 # The logic is in megatron_bfpp/devkit/ (legs, budget, report: plan.py; install and run: run.py; kit: prepare.py).
 #
 # usage: scripts/device_check.sh --prepare [--megatron-lm DIR] [--max-mib N]
-#        scripts/device_check.sh [--device cuda|cpu] [--out DIR] [--budget S] [--dry-run] [--legs A,B]
+#        scripts/device_check.sh [--quick] [--device cuda|cpu] [--out DIR] [--budget S] [--dry-run] [--legs A,B]
 #        scripts/device_check.sh --rehearse PYTHON [--out DIR] [--budget S]
 #   --prepare   (a machine with the registry) build devkit/kit: megatron-core, numpy and packaging wheels for
 #               CPython 3.12 manylinux x86_64, this project's wheel, a Megatron-LM source tarball (at most 40 MiB);
 #               prints the carry list
-#   (default)   (the GPU machine) install the kit offline next to the python's torch, run the legs within
-#               --budget seconds (default 480), write DIR/device_report.json and the legs' logs (8 files at most;
-#               default DIR runs/device_check); exit 0 when every leg passed, 1 when one failed, 3 when one was
-#               refused by NCCL or did not fit the budget
+#   (default)   (the GPU machine) probe the machine first (Python, the GPU's compute mode, CUDA and NCCL usable:
+#               --device cuda fails at once, with torch's facts, when they are not), install the kit offline next to
+#               the python's torch, run the legs within --budget seconds (default 480), write
+#               DIR/device_report.json (rewritten before and after every leg: a killed command still returns what
+#               ran) and the legs' logs (written as the legs print; 8 files at most; default DIR $OUT when set,
+#               else runs/device_check); exit 0 when every leg passed, 1 when one failed, 3 when one was refused
+#               by NCCL's set-up, did not fit the budget or the run was stopped
+#   --quick     the first call on a machine lent for a short time: the most revealing legs within 240 s (the
+#               default budget then); also the plan when --budget is under the full plan's estimate
 #   --dry-run   print the legs with their estimated seconds and the total against the budget
 #   --device    cpu: the same legs on CPU/gloo with tiny models (a rehearsal of everything but the GPU)
 #   --rehearse PYTHON  --prepare (with this shell's python), then the CPU run under PYTHON (an environment that has
@@ -19,7 +24,7 @@
 #               TransformerEngine legs, not run without it, excepted); report in runs/device_rehearsal; budget
 #               REHEARSE_BUDGET (default 900 s: about 4-6 minutes on 2 cores, more on a loaded machine)
 # environment: PYTHON (the python with torch; default python3), MEGATRON_LM_DIR (for --prepare; default
-#   ../shared/megatron-lm/core_v0.19.0)
+#   ../shared/megatron-lm/core_v0.19.0), OUT (the default output folder)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

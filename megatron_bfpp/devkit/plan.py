@@ -2,10 +2,14 @@
 
 A leg is one run (or one computation over earlier runs) and what it can reveal. The legs are ordered by what
 they show that nothing on CPU can: first NCCL with several ranks sharing the GPU (the communicators, the
-posting and pairing of p2p ops and collectives, consecutive W's on a chunk), then Megatron-LM's own script, the
-host synchronisations in the schedule's hot path, peak memory against the simulator, and last the one-rank and
-TransformerEngine legs. Each training leg's bf16 losses are compared with a reference run on the same device
-(the tolerances of scripts/gpu_check.sh).
+posting and pairing of p2p ops, the ZeRO collectives on two data-parallel ranks, consecutive W's on a chunk),
+then Megatron-LM's own script, the host synchronisations in the schedule's hot path, peak memory against the
+simulator, and last the one-rank and TransformerEngine legs. Each training leg's bf16 losses are compared with a
+reference run on the same device (the tolerances of scripts/gpu_check.sh).
+
+The quick plan (QUICK_LEGS, `--quick`, and the plan whenever the budget is under the full plan's estimate) is the
+first call on a machine lent for a short time: the legs most likely to show a fault, within QUICK_BUDGET_S, so
+that a second, full call still fits the machine's time.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ STATUSES = ("pass", "fail", "not-run", "refused")
 REPORT_NAME = "device_report.json"
 MAX_RESULT_FILES = 8               # files that come back from the device machine: the report and the logs
 DEFAULT_BUDGET_S = 480             # install, legs and report in one call (a command may run 10 minutes)
+QUICK_BUDGET_S = 240               # the first, short call (the machine is lent for about 15 minutes in all)
 REPORT_RESERVE_S = 10              # kept for the report after the last leg
 MIN_LEG_TIMEOUT_S = 60             # a leg may take this long at least (when the budget allows) ...
 LEG_TIMEOUT_FACTOR = 2.5           # ... or this many times its estimate
@@ -71,7 +76,9 @@ MEGATRON_FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--eval-it
 class Leg:
     """One leg: `kind` install | bfpp | megatron | sync | memory; `ranks` processes (several share the one GPU);
     `flags` the training flags beyond the shape's and TRAIN_FLAGS; `reference` the leg whose losses it is
-    compared with; `requires` what must import for it to run; `inputs` the legs whose reports it reads."""
+    compared with; `requires` what must import for it to run; `inputs` the legs whose reports it reads;
+    `data_parallel` the data-parallel size D (ranks = P x D): with D > 1 the leg must show its ZeRO collectives
+    (all-gather, reduce-scatter) running on D-rank groups."""
 
     name: str
     kind: str
@@ -84,6 +91,7 @@ class Leg:
     requires: str | None = None
     inputs: tuple[str, ...] = ()
     impl: str = "local"
+    data_parallel: int = 1
 
     def estimate(self, device: str) -> float:
         return float(self.est_s[device])
@@ -115,10 +123,19 @@ def plan_legs(device: str) -> list[Leg]:
     for pp, est in ((4, {"cuda": 32, "cpu": 30}), (2, {"cuda": 24, "cpu": 20})):
         for schedule, zero, what in multi:
             legs.append(Leg(f"bfpp-P{pp}-{schedule}-zero{zero}", "bfpp", f"bfpp-P{pp}",
-                            f"bfpp train, {pp} ranks sharing the device (V=2, M={shape.global_batch}), {what}: NCCL "
-                            f"communicators, p2p posting and pairing, ZeRO collectives", est, ranks=pp,
+                            f"bfpp train, {pp} ranks sharing the device (V=2, M={shape.global_batch}, D=1), {what}: "
+                            f"NCCL communicators, p2p posting and pairing (with D=1, ZeRO's all-gathers and "
+                            f"reduce-scatters are local copies: no communication)", est, ranks=pp,
                             flags=(*_vp_flags(shape, pp, 2), "--pipeline-schedule", schedule, "--zero-stage", zero),
                             reference="bfpp-P1-reference"))
+    # Right after the first P = 4 leg: the one leg whose ZeRO collectives communicate.
+    first_p4 = next(i for i, leg in enumerate(legs) if leg.name == "bfpp-P4-breadth-first-zero3")
+    legs.insert(first_p4 + 1, Leg(
+        "bfpp-P2xD2-breadth-first-zero3", "bfpp", "bfpp-P4", f"bfpp train, 4 ranks sharing the device as P=2 x D=2 "
+        f"(V=2, M={shape.global_batch // 2} per data-parallel rank), breadth-first ZeRO-3: the all-gathers and "
+        f"reduce-scatters run on 2-rank NCCL groups beside the pipeline's p2p", {"cuda": 35, "cpu": 30}, ranks=4,
+        flags=(*_vp_flags(shape, 2, 2), "--pipeline-schedule", "breadth-first", "--zero-stage", "3"),
+        reference="bfpp-P1-reference", data_parallel=2))
     p2 = _vp_flags(shape, 2, 2)
     legs += [
         Leg("megatron-P2-default", "megatron", "megatron-P2", "Megatron-LM pretrain_gpt.py, 2 ranks sharing the "
@@ -158,6 +175,34 @@ def plan_legs(device: str) -> list[Leg]:
     return legs
 
 
+def select_legs(legs: list[Leg], only: set[str] | None) -> list[Leg]:
+    """The legs named in `only` (all when None) in plan order, with the install, and with every leg a chosen
+    one needs: its reference and the legs whose reports it reads."""
+    if only is None:
+        return list(legs)
+    chosen = set(only) | {"install"}
+    by_name = {leg.name: leg for leg in legs}
+    todo = list(chosen)
+    while todo:
+        leg = by_name[todo.pop()]
+        for name in ([leg.reference] if leg.reference else []) + list(leg.inputs):
+            if name not in chosen:
+                chosen.add(name)
+                todo.append(name)
+    return [leg for leg in legs if leg.name in chosen]
+
+
+# The quick plan: the p2p protocol at P = 4, the ZeRO collectives at D = 2, consecutive W's at P = 4, and
+# Megatron-LM's own script with the plugin at P = 2 against stock (what a CPU cannot show, most revealing first).
+QUICK_LEGS = ("install", "bfpp-P1-reference", "bfpp-P4-breadth-first-zero3", "bfpp-P2xD2-breadth-first-zero3",
+              "bfpp-P4-interleaved-zb-zero3", "megatron-P2-default", "megatron-P2-breadth-first-zero3")
+
+
+def quick_legs(device: str) -> list[Leg]:
+    """The quick plan's legs, in the full plan's order."""
+    return [leg for leg in plan_legs(device) if leg.name in QUICK_LEGS]
+
+
 def consecutive_ws(leg: Leg, device: str) -> int | None:
     """How many times a W follows a W of the same stage on a rank in a split-backward leg's schedule (the case
     TransformerEngine's delayed weight gradients and Megatron's DDP hooks must get right); None otherwise."""
@@ -173,7 +218,7 @@ def consecutive_ws(leg: Leg, device: str) -> int | None:
     pp = int(_flag(flags, "--pipeline-model-parallel-size") or 1)
     lpv = _flag(flags, "--num-layers-per-virtual-pipeline-stage")
     vp = shape.layers // pp // int(lpv) if lpv else 1
-    s = build(schedule, pp, vp, shape.global_batch)
+    s = build(schedule, pp, vp, shape.global_batch // leg.data_parallel)
     return sum(a.op == b.op == Op.W and a.stage == b.stage
                for r in range(pp) for a, b in zip(s.compute_actions(r), s.compute_actions(r)[1:]))
 
@@ -269,6 +314,26 @@ def make_report(results: list[LegResult], facts: dict[str, Any]) -> dict[str, An
     return report
 
 
+NOT_REACHED = "not reached yet when this report was written (the run was still going, or was killed before it)"
+
+
+def progress_results(legs: list[Leg], results: dict[str, LegResult], running: str | None = None,
+                     running_since: float = 0.0, log: str = "") -> list[LegResult]:
+    """Every leg in plan order: its result when it has one, else not-run, saying whether it was running (since
+    `running_since` seconds into the run, its output so far in `log`) or not reached: the report written after
+    each leg, which a killed run leaves behind."""
+    out = []
+    for leg in legs:
+        if leg.name in results:
+            out.append(results[leg.name])
+        elif leg.name == running:
+            out.append(LegResult(leg.name, "not-run", 0.0, f"running when this report was written (started "
+                                 f"{running_since:.0f} s into the run; its output so far: {log})"))
+        else:
+            out.append(LegResult(leg.name, "not-run", 0.0, NOT_REACHED))
+    return out
+
+
 def validate_report(report: Any) -> None:
     """Raise ValueError unless `report` has exactly the report's shape."""
     if not isinstance(report, dict) or set(report) != {"legs", "torch", "cuda", "nccl", "gpus"}:
@@ -304,14 +369,15 @@ def exit_code(results: list[LegResult], optional_not_run: set[str]) -> int:
 
 # -------------------------------------------------------------------------------------------------- dry run
 
-def dry_run_text(device: str, budget_s: float, legs: list[Leg] | None = None) -> tuple[str, bool]:
+def dry_run_text(device: str, budget_s: float, legs: list[Leg] | None = None, quick: bool = False
+                 ) -> tuple[str, bool]:
     """The dry run's listing: each leg with its estimate, log file and reference, and the total against the
     budget. Returns (text, fits)."""
     legs = plan_legs(device) if legs is None else legs
     groups = group_logs(legs)
     logs = log_of(groups)
-    lines = [f"device kit, {device}: {len(legs)} legs, {len(groups)} log(s) + {REPORT_NAME} "
-             f"(at most {MAX_RESULT_FILES} files)", ""]
+    lines = [f"device kit, {device}{' (quick plan)' if quick else ''}: {len(legs)} legs, {len(groups)} log(s) + "
+             f"{REPORT_NAME} (at most {MAX_RESULT_FILES} files)", ""]
     w = max(len(leg.name) for leg in legs)
     for i, leg in enumerate(legs, 1):
         extra = []

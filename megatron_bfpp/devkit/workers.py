@@ -1,13 +1,21 @@
-"""What the device kit's legs run besides the trainer.
+"""What the device kit's legs run: the trainer and Megatron-LM's script, instrumented, and their checks.
 
-    python -m megatron_bfpp.devkit.workers megatron SCRIPT.py [flags]   Megatron-LM's script through the script runner
+    torchrun ... -m megatron_bfpp.devkit.workers train [trainer flags]        the trainer (bfpp train's worker)
+    torchrun ... -m megatron_bfpp.devkit.workers megatron SCRIPT.py [flags]   Megatron-LM's script, script runner
     torchrun ... -m megatron_bfpp.devkit.workers sync --out JSON -- [trainer flags]
     python -m megatron_bfpp.devkit.workers memory --out JSON REPORT.json...
+
+Every worker ends with its parent (its torchrun, or the kit), so no rank outlives the kit; train, megatron and
+sync count their torch.distributed calls by group size and mark their start-up (collectives.py) before anything
+else imports torch.distributed's functions.
+
+train: `megatron_bfpp.train`'s main, unchanged.
 
 megatron: the kit's Megatron-LM tarball carries the dataset helpers' extension built into the megatron-core
 wheel (`helpers_cpp`), so Megatron's start-up compile (`make` with pybind11 in megatron/core/datasets; the
 device machine may have neither) is skipped when that extension imports; then the unmodified script runs
-through `megatron_bfpp.run_megatron_script`.
+through `megatron_bfpp.run_megatron_script`, and its process groups are destroyed after it (pretrain() leaves
+them, and NCCL's teardown at interpreter exit can hang).
 
 sync: the trainer's steps, with the schedule's execution of each step (the forward_backward call: p2p, ZeRO
 collectives, forward and backward of every micro-batch) under `torch.cuda.set_sync_debug_mode("warn")`; each
@@ -50,7 +58,18 @@ def megatron_main(argv: list[str]) -> int:
         print(f"[devkit] dataset helpers: none prebuilt ({e}); Megatron compiles them", flush=True)
     from megatron_bfpp.run_megatron_script import main as run_script
 
-    return run_script(argv)
+    rc = run_script(argv)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()  # every group, Megatron's included
+    return rc
+
+
+def train_main(argv: list[str]) -> int:
+    from megatron_bfpp.train.loop import main as train
+
+    return train(argv)
 
 
 # ----------------------------------------------------------------------------------------------------- sync
@@ -244,11 +263,19 @@ def memory_verdict(result: dict[str, Any], measured_by: str) -> tuple[bool, str]
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("megatron", "sync", "memory"):
+    commands = {"train": train_main, "megatron": megatron_main, "sync": sync_main, "memory": memory_main}
+    if not argv or argv[0] not in commands:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
-    return {"megatron": megatron_main, "sync": sync_main, "memory": memory_main}[argv[0]](argv[1:])
+    if argv[0] != "memory":  # before anything imports torch.distributed's functions by name
+        from .collectives import instrument
+
+        instrument()
+    return commands[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":
+    from megatron_bfpp.devkit.processes import die_with_parent
+
+    die_with_parent()  # a worker process of the kit: it ends with its torchrun (or the kit)
     sys.exit(main())

@@ -18,6 +18,7 @@ import pytest
 
 from megatron_bfpp.devkit import plan, prepare, run, workers
 from megatron_bfpp.devkit.plan import Budget, Leg, LegResult
+from megatron_bfpp.devkit.processes import Outcome
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "device_check.sh"
@@ -36,9 +37,11 @@ def test_legs_are_ordered_by_what_they_reveal_and_references_come_first(device) 
     names = [leg.name for leg in legs]
     assert len(set(names)) == len(names)
     assert names[0] == "install" and legs[1].name == "bfpp-P1-reference"
-    # The NCCL legs with several ranks sharing the device come right after the reference, P = 4 first.
-    multi = [leg for leg in legs[2:8]]
-    assert [leg.ranks for leg in multi] == [4, 4, 4, 2, 2, 2] and all(leg.kind == "bfpp" for leg in multi)
+    # The NCCL legs with several ranks sharing the device come right after the reference, P = 4 first, then
+    # P = 2 x D = 2 (ZeRO's collectives on two data-parallel ranks).
+    multi = [leg for leg in legs[2:9]]
+    assert [leg.ranks for leg in multi] == [4, 4, 4, 4, 2, 2, 2] and all(leg.kind == "bfpp" for leg in multi)
+    assert [leg.data_parallel for leg in multi] == [1, 2, 1, 1, 1, 1, 1]
     assert {_flag(leg.flags, "--pipeline-schedule") for leg in multi} == {
         "breadth-first", "interleaved-zb", "breadth-first-zb"}
     for leg in legs:
@@ -77,11 +80,11 @@ def test_layouts_divide_the_model(device) -> None:
     for leg in plan.plan_legs(device):
         pp = int(_flag(leg.flags, "--pipeline-model-parallel-size") or 1)
         if leg.kind in ("bfpp", "megatron", "sync"):
-            assert pp == leg.ranks  # D = 1: every rank is a pipeline rank
+            assert pp * leg.data_parallel == leg.ranks
             lpv = _flag(leg.flags, "--num-layers-per-virtual-pipeline-stage")
             vp = shape.layers // pp // int(lpv) if lpv else 1
             assert shape.layers % (pp * vp) == 0 and (vp == 2) == (pp > 1)
-            assert shape.global_batch >= 2 * pp  # M >= 2P
+            assert shape.global_batch // leg.data_parallel >= 2 * pp  # M >= 2P per data-parallel rank
 
 
 def test_trainer_accepts_the_bfpp_legs(subprocesses) -> None:
@@ -240,6 +243,12 @@ def _driver(tmp_path, device="cuda") -> run.Driver:
     return d
 
 
+def _judge(d: run.Driver, leg: Leg, rc, output: str, seconds: float = 8.0, limit: float = 60,
+           ended: str | None = None) -> LegResult:
+    """The verdict on `output` from processes that exited with `rc` (None: ended by the kit at the limit)."""
+    return d.judge(leg, Outcome(rc, output, seconds, limit, ended or ("limit" if rc is None else "exit")))
+
+
 def test_losses_compared_at_the_bf16_tolerance(tmp_path) -> None:
     ref_out = "\n".join(_iteration(i, 10.0 - i) for i in (1, 2, 3))
     assert run.leg_losses(ref_out) == ([9.0, 8.0, 7.0], [0.1, 0.1, 0.1])
@@ -253,19 +262,21 @@ def test_losses_compared_at_the_bf16_tolerance(tmp_path) -> None:
 
     d = _driver(tmp_path)
     legs = {leg.name: leg for leg in d.legs}
-    ref = d.judge(legs["bfpp-P1-reference"], 0, ref_out, 5.0, 60)
+    ref = _judge(d, legs["bfpp-P1-reference"], 0, ref_out, 5.0, 60)
     assert ref.status == "pass" and ref.extra["losses"] == [9.0, 8.0, 7.0]
     d.results[ref.name] = ref
     leg = legs["bfpp-P2-breadth-first-zb-zero2"]
-    good = d.judge(leg, 0, "\n".join(_iteration(i, 10.0 - i) for i in (1, 2, 3)), 9.0, 60)
+    good = _judge(d, leg, 0, "\n".join(_iteration(i, 10.0 - i) for i in (1, 2, 3)), 9.0, 60)
     assert good.status == "pass" and "consecutive W's" in good.detail and "2 ranks" in good.detail
-    bad = d.judge(leg, 0, "\n".join(_iteration(i, 11.0 - i) for i in (1, 2, 3)), 9.0, 60)
+    bad = _judge(d, leg, 0, "\n".join(_iteration(i, 11.0 - i) for i in (1, 2, 3)), 9.0, 60)
     assert bad.status == "fail" and "relative difference" in bad.detail
-    assert d.judge(leg, 0, "no iterations\n", 9.0, 60).status == "fail"
-    killed = d.judge(leg, None, "starting\n", 60.0, 60)
+    assert _judge(d, leg, 0, "no iterations\n", 9.0, 60).status == "fail"
+    up = "".join(f"[devkit] process group up: rank {r} of 2 (gloo) in 1.0 s\n" for r in (0, 1))
+    killed = _judge(d, leg, None, up + "starting\n", 60.0, 60)
     assert killed.status == "fail" and "killed at its 60 s limit" in killed.detail
+    assert "all 2 ranks had their process group up" in killed.detail and "last output: starting" in killed.detail
     d.results[ref.name] = LegResult(ref.name, "fail", 1, "exit 1")
-    assert "did not pass" in d.judge(leg, 0, ref_out, 9.0, 60).detail
+    assert "did not run all its iterations" in _judge(d, leg, 0, ref_out, 9.0, 60).detail
 
 
 NCCL_REFUSAL = """\
@@ -281,17 +292,19 @@ h200:123:456 [0] init.cc:1100 NCCL WARN Duplicate GPU detected : rank 1 and rank
 
 def test_nccl_refusal_carries_nccls_words(tmp_path) -> None:
     words = run.nccl_words(NCCL_REFUSAL)
-    assert any("Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000" in w for w in words)
-    assert any(w.startswith("Last error: ") for w in words) and not any("NCCL INFO" in w for w in words)
+    assert words == ["Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"]  # said once
+    # torch's repeat of NCCL's last error stands in for NCCL's own line when that is missing.
+    assert run.nccl_words(NCCL_REFUSAL.replace("NCCL WARN", "NCCL INFO")) == [
+        "Last error: Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"]
     d = _driver(tmp_path)
     leg = next(leg for leg in d.legs if leg.ranks == 4)
-    refused = d.judge(leg, 1, NCCL_REFUSAL, 8.0, 60)
-    assert refused.status == "refused" and refused.detail.startswith("NCCL refused: ")
+    refused = _judge(d, leg, 1, NCCL_REFUSAL, 8.0, 60)
+    assert refused.status == "refused" and refused.detail.startswith("NCCL refused the set-up at initialisation: ")
     assert "Duplicate GPU detected" in refused.detail
     # NCCL's words after iterations ran: a failure of the run, not a refusal of the set-up.
-    assert d.judge(leg, 1, _iteration(1, 9.0) + "\n" + NCCL_REFUSAL, 8.0, 60).status == "fail"
+    assert _judge(d, leg, 1, _iteration(1, 9.0) + "\n" + NCCL_REFUSAL, 8.0, 60).status == "fail"
     # On CPU there is no NCCL to refuse.
-    assert _driver(tmp_path, "cpu").judge(leg, 1, NCCL_REFUSAL, 8.0, 60).status == "fail"
+    assert _judge(_driver(tmp_path, "cpu"), leg, 1, NCCL_REFUSAL).status == "fail"
 
 
 def test_a_leg_whose_requirement_does_not_import_is_not_run(tmp_path) -> None:
@@ -327,12 +340,14 @@ def test_commands_share_the_device_through_the_rank_wrapper(tmp_path) -> None:
         if leg.kind == "memory":
             assert cmd[1:4] == ["-m", "megatron_bfpp.devkit.workers", "memory"]
             continue
-        assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(leg.ranks)]
+        assert cmd[1:8] == ["-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+                            "--nproc-per-node", str(leg.ranks)]
         assert ("shared_gpu_rank.sh" in " ".join(cmd)) == (leg.ranks > 1)
+        i = cmd.index("megatron_bfpp.devkit.workers")
+        assert cmd[i + 1] == {"bfpp": "train", "megatron": "megatron", "sync": "sync"}[leg.kind]
         assert env["PYTHONPATH"].split(os.pathsep)[0] == str(d.site) and env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
         if leg.kind == "megatron":
-            i = cmd.index("megatron")
-            assert cmd[i - 1] == "megatron_bfpp.devkit.workers" and cmd[i + 1].endswith("pretrain_gpt.py")
+            assert cmd[i + 2].endswith("pretrain_gpt.py")
             assert _flag(cmd, "--transformer-impl") == leg.impl and "--distributed-backend" not in cmd
     cpu = _driver(tmp_path, "cpu")
     cpu.tree = tmp_path / "megatron-lm"
@@ -467,3 +482,327 @@ def test_dry_run_lists_every_leg_with_its_estimate_and_the_total_against_the_bud
     r = subprocess.run(["bash", str(SCRIPT), "--legs", "nope"], capture_output=True, text=True, cwd=ROOT, env=env,
                        timeout=120)
     assert r.returncode == 2 and "unknown legs" in r.stderr
+
+
+# ------------------------------------------------------------------ what a failed leg's output says (CPU fakes)
+
+# torchrun's own lines after a worker failed (torch.distributed.elastic): the banner every failed leg ends with.
+TORCHRUN_BANNER = """\
+W0101 10:00:05.000000 1000 torch/distributed/elastic/multiprocessing/api.py:908] Sending process 1002 closing signal SIGTERM
+E0101 10:00:05.100000 1000 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: 1) local_rank: 0 (pid: 1001) of binary: /usr/bin/python3
+Traceback (most recent call last):
+  File "/usr/lib/python3.12/site-packages/torch/distributed/run.py", line 940, in <module>
+    main()
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+/work/scripts/shared_gpu_rank.sh FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-01-01_10:00:05
+  host      : h100
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 1001)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+# NCCL 2.28's WARN line (src/debug.cc): a leading newline, the timestamp NCCL_DEBUG_TIMESTAMP_LEVELS puts on WARNs by
+# default, host:pid:tid, [cuda device], __FILE__:__LINE__; then torch's DistBackendError carrying NCCL's last error.
+TRUNCATED = """\
+[2026-01-01 10:00:04] h100:1001:1077 [0] transport/net_socket.cc:565 NCCL WARN NET/Socket : peer 127.0.0.1<41234> message truncated : receiving 1048576 bytes instead of 524288. If you believe your socket network is in a healthy state, there may be a mismatch in collective sizes or environment settings (e.g. NCCL_PROTO, NCCL_ALGO) between ranks
+h100:1001:1077 [0] NCCL INFO transport/net.cc:1400 -> 3
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/work/megatron_bfpp/runtime/p2p.py", line 190, in post
+[rank0]:     work.wait()
+[rank0]: torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:2150, remote process exited or there was a network error, NCCL version 2.28.9
+[rank0]: ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.
+[rank0]: Last error:
+[rank0]: NET/Socket : peer 127.0.0.1<41234> message truncated : receiving 1048576 bytes instead of 524288.
+"""
+
+# One rank's own error; the other rank, whose peer died, raises DistBackendError in the same iteration.
+CRASH_ON_ONE_RANK = """\
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "/work/megatron_bfpp/runtime/engine.py", line 300, in run_action
+[rank1]:     assert buffer.shape == expected, (buffer.shape, expected)
+[rank1]: AssertionError: (torch.Size([1, 32, 64]), torch.Size([1, 16, 64]))
+[2026-01-01 10:00:04] h100:1002:1080 [0] misc/socket.cc:71 NCCL WARN socketProgress: Connection closed by remote peer h100<41234>
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/work/megatron_bfpp/runtime/p2p.py", line 190, in post
+[rank0]: torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:2150, remote process exited or there was a network error, NCCL version 2.28.9
+[rank0]: ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.
+[rank0]: Last error:
+[rank0]: socketProgress: Connection closed by remote peer h100<41234>
+"""
+
+
+def test_nccl_warn_lines_are_read_as_nccl_prints_them() -> None:
+    words = run.nccl_words(TRUNCATED)
+    assert any(w.startswith("NET/Socket : peer 127.0.0.1<41234> message truncated : receiving 1048576 bytes")
+               for w in words), words
+    assert not any("NCCL INFO" in w for w in words)
+
+
+@pytest.mark.parametrize("output", [TRUNCATED, CRASH_ON_ONE_RANK], ids=["message-truncated", "crash-on-one-rank"])
+def test_our_bugs_are_failures_not_nccl_refusals(tmp_path, output) -> None:
+    """A p2p pair of the wrong size and a crash on one rank: NCCL's words with no iteration line, but our fault."""
+    d = _driver(tmp_path)
+    leg = next(leg for leg in d.legs if leg.ranks == 2 and leg.kind == "bfpp")
+    r = _judge(d, leg, 1, output + TORCHRUN_BANNER)
+    assert r.status == "fail", r
+    assert "error_file" not in r.detail and "traceback :" not in r.detail and "=====" not in r.detail
+    if output is TRUNCATED:
+        assert "message truncated : receiving 1048576 bytes instead of 524288" in r.detail
+        assert "DistBackendError: NCCL error in" in r.detail
+    else:  # the rank that failed first, not the peer that saw it go
+        assert "AssertionError: (torch.Size([1, 32, 64]), torch.Size([1, 16, 64]))" in r.detail
+
+
+def test_a_duplicate_gpu_at_initialisation_is_refused_as_nccl_prints_it(tmp_path) -> None:
+    output = ("[2026-01-01 10:00:02] h100:1001:1001 [0] init.cc:904 NCCL WARN Duplicate GPU detected : rank 1 and "
+              "rank 0 both on CUDA device 1a000\n" + NCCL_REFUSAL.split("\n", 3)[3] + TORCHRUN_BANNER)
+    d = _driver(tmp_path)
+    leg = next(leg for leg in d.legs if leg.ranks == 4)
+    r = _judge(d, leg, 1, output)
+    assert r.status == "refused" and "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000" in r.detail
+
+
+def test_nccl_errors_after_the_iteration_lines_fail_the_leg_against_a_passing_reference(tmp_path) -> None:
+    """The iterations agree with a reference that passed; the leg still exited non-zero with NCCL's errors."""
+    d = _driver(tmp_path)
+    legs = {leg.name: leg for leg in d.legs}
+    ref_out = "\n".join(_iteration(i, 10.0 - i) for i in (1, 2, 3))
+    ref = _judge(d, legs["bfpp-P1-reference"], 0, ref_out)
+    assert ref.status == "pass"
+    d.results[ref.name] = ref
+    leg = legs["bfpp-P2-breadth-first-zb-zero2"]
+    assert _judge(d, leg, 0, ref_out).status == "pass"  # the same output with exit 0 passes
+    r = _judge(d, leg, 1, ref_out + "\n" + TRUNCATED + TORCHRUN_BANNER)
+    assert r.status == "fail" and r.detail.startswith("exit 1"), r
+    assert "DistBackendError: NCCL error in" in r.detail and "message truncated" in r.detail
+
+
+def test_megatron_legs_run_with_dynamo_off_on_cuda_as_on_cpu(tmp_path) -> None:
+    """pretrain() warms up torch.compile'd fusions whatever the --no-*-fusion flags say: no Inductor compile in
+    the ranks at once against the legs' estimates."""
+    for device in plan.DEVICES:
+        d = _driver(tmp_path, device)
+        d.tree = tmp_path / "megatron-lm"
+        for leg in d.legs:
+            if leg.kind in ("megatron", "bfpp", "sync"):
+                assert d.command(leg)[1].get("TORCHDYNAMO_DISABLE") == "1", (device, leg.name)
+
+
+def test_torchrun_binds_the_loopback_address(tmp_path) -> None:
+    """--standalone alone resolves socket.getfqdn() for the rendezvous (a VM without DNS can stall)."""
+    cmd = _driver(tmp_path).launch(2, ["-m", "x"])
+    assert _flag(cmd, "--local-addr") == "127.0.0.1"
+
+
+def test_a_leg_runs_zero_collectives_on_two_data_parallel_ranks(tmp_path) -> None:
+    for device in plan.DEVICES:
+        legs = [leg for leg in plan.plan_legs(device) if leg.kind == "bfpp" and leg.ranks == 4
+                and _flag(leg.flags, "--pipeline-model-parallel-size") == "2"]
+        assert len(legs) == 1 and _flag(legs[0].flags, "--zero-stage") == "3"
+
+
+def test_default_output_folder_is_out_when_set(monkeypatch) -> None:
+    monkeypatch.setenv("OUT", "/tmp/device-out")
+    assert run.default_out() == Path("/tmp/device-out")
+    monkeypatch.delenv("OUT")
+    assert run.default_out() == ROOT / "runs" / "device_check"
+
+
+def _up(ranks: int, of: int) -> str:
+    return "".join(f"[devkit] process group up: rank {r} of {of} (nccl) in 2.0 s\n" for r in range(ranks))
+
+
+def test_a_multi_rank_leg_hung_at_start_up_is_refused_and_spares_the_budget_of_the_others(tmp_path,
+                                                                                         monkeypatch) -> None:
+    """The first multi-rank leg hangs before every rank has its process group: the set-up hung. The remaining
+    multi-rank legs are not run (they would hang the same way, each for its whole limit); one-rank legs run."""
+    d = _driver(tmp_path)
+    d.tree = tmp_path / "megatron-lm"
+    ran = []
+
+    def execute(leg, cmd, limit, env):
+        ran.append(leg.name)
+        if leg.ranks > 1:
+            return Outcome(None, _up(1, leg.ranks) + "NCCL INFO Bootstrap\n", limit, limit, "limit")
+        return Outcome(0, _up(1, 1) + "\n".join(_iteration(i, 10.0 - i) for i in (1, 2, 3)), 5.0, limit)
+
+    monkeypatch.setattr(d, "execute", execute)
+    for leg in d.legs[1:]:
+        if not leg.requires:
+            d.results[leg.name] = d.run_leg(leg)
+    first = next(leg for leg in d.legs if leg.ranks > 1)
+    r = d.results[first.name]
+    assert r.status == "refused" and r.detail.startswith("hung at start-up: 1 of 4 ranks had their process group up")
+    others = [leg for leg in d.legs if leg.ranks > 1 and leg is not first]
+    assert others and all(d.results[leg.name].status == "not-run" and
+                          d.results[leg.name].detail.startswith("same set-up hung") for leg in others)
+    assert [name for name in ran if name != first.name] == [
+        leg.name for leg in d.legs[1:] if leg.ranks == 1 and leg.kind != "memory" and not leg.requires]
+    assert d.results["megatron-P1-1f1b-zero3"].status == "pass"
+
+
+def test_a_leg_whose_iterations_all_ran_but_that_hung_at_exit_says_so(tmp_path) -> None:
+    d = _driver(tmp_path)
+    legs = {leg.name: leg for leg in d.legs}
+    ref_out = "\n".join(_iteration(i, 10.0 - i) for i in (1, 2, 3))
+    d.results["bfpp-P1-reference"] = _judge(d, legs["bfpp-P1-reference"], None, ref_out, ended="exit-hang")
+    r = d.results["bfpp-P1-reference"]
+    assert r.status == "fail" and r.detail.startswith("all 3 iterations ran, then the processes hung at exit")
+    assert "killed at" not in r.detail
+    # Its losses still serve as the reference: they are all there.
+    leg = legs["bfpp-P2-breadth-first-zero3"]
+    ok = _judge(d, leg, 0, _up(2, 2) + ref_out)
+    assert ok.status == "pass" and "relative difference to the reference 0.0e+00" in ok.detail
+    # Killed before the last iteration: a plain failure at the limit.
+    partial = _judge(d, leg, None, _up(2, 2) + _iteration(1, 9.0))
+    assert partial.status == "fail" and "killed at its 60 s limit" in partial.detail
+    assert "iteration 1 of 3 printed" in partial.detail
+
+
+def test_the_report_is_written_before_and_after_every_leg(tmp_path, monkeypatch) -> None:
+    """A command killed at its limit (or for memory) still returns what ran: the report on disk always holds
+    every finished leg, the running one, and the rest as not reached."""
+    d = run.Driver("cpu", tmp_path / "out", 480, sys.executable, root=tmp_path,
+                   only={"bfpp-P4-breadth-first-zero3"})
+    seen = []
+
+    def read() -> dict:
+        return {leg["name"]: leg for leg in json.loads((d.out / plan.REPORT_NAME).read_text())["legs"]}
+
+    def install(leg):
+        seen.append(read())
+        d.tree = tmp_path
+        d.facts = {"torch": "2.14.1", "cuda": None}
+        return LegResult(leg.name, "pass", 1.0, "stand-in")
+
+    def run_leg(leg):
+        seen.append(read())
+        return LegResult(leg.name, "pass", 1.0, "ok")
+
+    monkeypatch.setattr(d, "install", install)
+    monkeypatch.setattr(d, "run_leg", run_leg)
+    assert d.run() == 0
+    assert [leg.name for leg in d.legs] == ["install", "bfpp-P1-reference", "bfpp-P4-breadth-first-zero3"]
+    first, second, third = seen
+    assert first["install"]["status"] == "not-run" and "running when this report was written" in \
+        first["install"]["detail"] and first["bfpp-P1-reference"]["detail"] == plan.NOT_REACHED
+    assert second["install"]["status"] == "pass" and "running" in second["bfpp-P1-reference"]["detail"]
+    assert third["bfpp-P1-reference"]["status"] == "pass"
+    final = json.loads((d.out / plan.REPORT_NAME).read_text())
+    assert final["torch"] == "2.14.1" and all(leg["status"] == "pass" for leg in final["legs"])
+    assert not list(d.out.glob(".*"))  # no temporary file left beside it
+
+
+def _facts(**over) -> dict:
+    facts = {"python": "3.12.3", "torch": "2.11.0+cu130", "cuda": "13.0", "nccl": "2.28.9", "gpus": ["NVIDIA H100"],
+             "modules": {}, "errors": {}, "transformer_engine": {"error": "absent"},
+             "compute_mode": {"mode": "DEFAULT", "source": "libcuda"},
+             "cuda_check": {"available": True, "device_count": 1, "visible": None, "driver": "NVRM 580",
+                            "context": "opened", "nccl_available": True}}
+    for key, value in over.items():
+        facts[key] = {**facts[key], **value} if isinstance(value, dict) and key in facts else value
+    return facts
+
+
+def test_device_cuda_without_a_usable_cuda_fails_at_once_and_records_the_facts(tmp_path, monkeypatch) -> None:
+    d = _driver(tmp_path)
+    facts = _facts(torch="2.14.1+cpu", cuda=None, nccl=None, gpus=[], compute_mode={"error": "libcuda: not found"},
+                   cuda_check={"available": False, "device_count": 0, "context": None, "nccl_available": False,
+                               "driver": None, "error": "AssertionError: Torch not compiled with CUDA enabled"})
+    monkeypatch.setattr(d, "probe", lambda *a: facts)
+    (d.out).mkdir(parents=True)
+    r = d.install(d.legs[0])
+    assert r.status == "fail" and r.detail.startswith("CUDA is not usable: torch.cuda.is_available() is False")
+    assert "torch 2.14.1+cpu (built for CUDA none: a CPU build)" in r.detail and "Torch not compiled" in r.detail
+    assert "--device cpu" in r.detail and d.tree is None
+    report = plan.make_report(plan.progress_results(d.legs, {r.name: r}), d.facts)
+    assert report["torch"] == "2.14.1+cpu"
+    # A context that does not open, a PROHIBITED GPU, a torch without NCCL: the same, each with its reason.
+    for over, words in ((dict(cuda_check={"context": None, "error": "RuntimeError: CUDA error: all CUDA-capable "
+                                          "devices are busy or unavailable"}), "a CUDA context does not open"),
+                        (dict(compute_mode={"mode": "PROHIBITED"}), "compute mode is PROHIBITED"),
+                        (dict(cuda_check={"nccl_available": False}), "torch has no NCCL")):
+        monkeypatch.setattr(d, "probe", lambda *a, f=_facts(**over): f)
+        assert words in d.install(d.legs[0]).detail
+
+
+def test_an_exclusive_gpu_runs_only_the_one_rank_legs(tmp_path, monkeypatch) -> None:
+    d = _driver(tmp_path)
+    monkeypatch.setattr(d, "probe", lambda *a: _facts(compute_mode={"mode": "EXCLUSIVE_PROCESS"}))
+    d.out.mkdir(parents=True)
+    assert "no kit at devkit/kit" in d.install(d.legs[0]).detail  # probed before the kit is looked at
+    d.tree = tmp_path
+    r = d.run_leg(next(leg for leg in d.legs if leg.ranks > 1))
+    assert r.status == "not-run" and "compute mode is EXCLUSIVE_PROCESS" in r.detail
+
+
+def test_another_python_than_the_kits_fails_before_installing(tmp_path, monkeypatch) -> None:
+    d = _driver(tmp_path, "cpu")
+    (tmp_path / "devkit" / "kit").mkdir(parents=True)
+    (tmp_path / "devkit" / "kit" / "manifest.json").write_text(json.dumps({"python": "3.12", "wheels": [
+        {"project": "megatron-core", "module": "megatron.core", "version": "0.19.2", "accept": "0.19.",
+         "file": "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl"},
+        {"project": "packaging", "module": "packaging", "version": "25.0", "accept": None,
+         "file": "packaging-25.0-py3-none-any.whl"}]}))
+    monkeypatch.setattr(d, "probe", lambda *a: _facts(python="3.11.9"))
+    d.out.mkdir(parents=True)
+    r = d.install(d.legs[0])
+    assert r.status == "fail" and r.detail.startswith("python 3.11.9")
+    assert "megatron-core 0.19.2" in r.detail and "packaging" not in r.detail and "Python 3.12" in r.detail
+    assert run.wheel_fits("numpy-2.3.0-cp312-cp312-manylinux_2_28_x86_64.whl", (3, 12))
+    assert run.wheel_fits("packaging-25.0-py3-none-any.whl", (3, 11))
+    assert not run.wheel_fits("numpy-2.3.0-cp312-cp312-manylinux_2_28_x86_64.whl", (3, 13))
+
+
+def _collectives(work: Path, leg: str, calls: dict) -> None:
+    folder = work / f"{leg}.collectives"
+    folder.mkdir(parents=True)
+    for rank in range(4):
+        (folder / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "calls": calls}))
+
+
+def test_the_data_parallel_leg_passes_only_when_zeros_collectives_ran_on_two_ranks(tmp_path) -> None:
+    d = _driver(tmp_path)
+    legs = {leg.name: leg for leg in d.legs}
+    ref_out = "\n".join(_iteration(i, 10.0 - i) for i in (1, 2, 3))
+    d.results["bfpp-P1-reference"] = _judge(d, legs["bfpp-P1-reference"], 0, ref_out)
+    leg = legs["bfpp-P2xD2-breadth-first-zero3"]
+    _collectives(d.work, leg.name, {"all_gather_into_tensor": {"2": 12}, "reduce_scatter_tensor": {"2": 6},
+                                    "batch_isend_irecv": {"2": 20}, "all_reduce": {"4": 3, "1": 2}})
+    r = _judge(d, leg, 0, _up(4, 4) + ref_out)
+    assert r.status == "pass", r
+    assert ("torch.distributed calls over 4 ranks: all-gather 48x on 2 ranks; all-reduce 8x on 1 rank, 12x on 4 "
+            "ranks; p2p 80x on 2 ranks; reduce-scatter 24x on 2 ranks") in r.detail
+    import shutil
+
+    shutil.rmtree(d.work / f"{leg.name}.collectives")
+    _collectives(d.work, leg.name, {"all_gather_into_tensor": {"1": 12}, "reduce_scatter_tensor": {"1": 6}})
+    r = _judge(d, leg, 0, _up(4, 4) + ref_out)
+    assert r.status == "fail" and r.detail.startswith(
+        "ZeRO's all-gather and reduce-scatter did not run on 2-rank data-parallel groups")
+
+
+def test_the_quick_plan_is_the_most_revealing_legs_within_its_budget(capsys) -> None:
+    for device in plan.DEVICES:
+        quick = plan.quick_legs(device)
+        assert [leg.name for leg in quick] == list(plan.QUICK_LEGS)
+        assert plan.select_legs(plan.plan_legs(device), set(plan.QUICK_LEGS)) == quick  # references included
+        assert {leg.data_parallel for leg in quick} == {1, 2} and max(leg.ranks for leg in quick) == 4
+        assert any(leg.kind == "megatron" for leg in quick)
+    assert plan.plan_total(plan.quick_legs("cuda"), "cuda") <= plan.QUICK_BUDGET_S
+    assert run.main(["--quick", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "(quick plan)" in out and f"against a budget of {plan.QUICK_BUDGET_S} s: fits" in out
+    # A budget under the full plan's estimate gets the quick plan.
+    assert run.main(["--dry-run", "--budget", "300"]) == 0
+    assert "the quick plan (--quick)" in capsys.readouterr().out
