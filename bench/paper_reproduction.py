@@ -17,7 +17,7 @@ Methods (each searched by `megatron_bfpp.sim.plan` over T, P, V, D, b, group siz
   linears);
 - planned best of ours: the planner without schedule or ZeRO restriction (`bfpp plan` with no
   --pipeline-schedule), and the same with W's work at I (`--split-backward-w at-i`: layers that cannot defer
-  their weight GEMMs, e.g. TransformerEngine older than 2.3, run their whole backward at I).
+  their weight GEMMs, e.g. TransformerEngine older than 2.7, run their whole backward at I).
 
 Writes docs/paper_reproduction.csv and docs/paper_reproduction.png and prints markdown tables.
 Run: python bench/paper_reproduction.py [--gpus 512] [--batch-per-gpu 0.0625 0.125 ...]

@@ -11,7 +11,7 @@ Split backward (schedules with I and W ops). W is the weight-gradient GEMMs of t
 backward (the input-gradient GEMMs, attention, elementwise, communication) plus any recomputed forward (the input
 gradient cannot start without it); `Costs.input_grad_share` carries I / (I + W) per stage. For a GPT layer this is
 Qi et al.'s (ICLR 2024, Table 1) split by FLOPs: I = sbh(24h + 8s), W = 24sbh^2. Two other costs of a W:
-`Config.w_at_input_grad` models layers that cannot defer their weight GEMMs (TransformerEngine older than 2.3,
+`Config.w_at_input_grad` models layers that cannot defer their weight GEMMs (TransformerEngine older than 2.7,
 Megatron's own deferred embedding wgrad): I is the whole backward and W does nothing, so the split schedules are
 their order with B at the I's. `Config.w_reruns_input_grad` models a split on the autograd graph of layers that
 are one autograd Function: W re-runs the node's whole backward, so the input-gradient GEMMs are paid twice.
@@ -325,7 +325,7 @@ class Config:
     # Split-backward schedules only: W re-runs the input-gradient GEMMs too (a split on the autograd graph of
     # one-Function layers) ...
     w_reruns_input_grad: bool = False
-    # ... or W's work runs at I (layers that cannot defer, e.g. TransformerEngine older than 2.3).
+    # ... or W's work runs at I (layers that cannot defer, e.g. TransformerEngine older than 2.7).
     w_at_input_grad: bool = False
     split: StageSplit = EVEN_STAGES  # how Megatron-LM spreads the layers over the stages
     # Megatron's --overlap-param-gather-with-optimizer-step (its interleaved schedule with the distributed
