@@ -39,7 +39,7 @@ Outputs in --out: <variant>.rep<k>.log, ab_runs.json (what ran), ab_iterations.c
 memory per rank), ab_summary.csv (per variant: status, medians over the repetitions' medians with min/max
 spread of tokens/s, elapsed ms and TFLOP/s per GPU, peak memory, measured bubble, first-iteration loss,
 deferred_linears: for split-backward variants how many of rank 0's linear layers deferred their weight GEMMs to
-W (0: W has no work, e.g. TransformerEngine older than 2.3), ratios to the best stock) and ab_megatron.png.
+W (0: W has no work, e.g. TransformerEngine older than 2.7), ratios to the best stock) and ab_megatron.png.
 
     python scripts/ab_megatron.py --megatron-lm-dir ~/Megatron-LM --model 1.3b --gpus-per-node 8 --dry-run
     python scripts/ab_megatron.py --megatron-lm-dir ~/Megatron-LM --model 1.3b --gpus-per-node 8 --reps 3 --out ab-1.3b
