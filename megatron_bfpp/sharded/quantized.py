@@ -1,11 +1,12 @@
-"""TransformerEngine's quantized tensors, recognised without importing TransformerEngine.
+"""TransformerEngine's quantized tensors, recognised and counted without importing TransformerEngine.
 
 TransformerEngine (2.x) represents FP8 / MXFP8 / NVFP4 data as subclasses of its `QuantizedTensor`
 (transformer_engine/pytorch/tensor/quantized_tensor.py: Float8Tensor, MXFP8Tensor, Float8BlockwiseQTensor,
 NVFP4Tensor) over storage classes (`QuantizedTensorStorage`, named `QuantizedTensorBase` up to 2.9). They are
 recognised here by the names of their classes, and by TransformerEngine's own base class when some other code
 already imported it: the plugin never imports TransformerEngine itself (it is optional, and importing it
-initialises CUDA).
+initialises CUDA). The quantized weight copies its layers cache between micro-batches are found and counted
+here too (the sharded wrapper reports them, and drops them under ZeRO-3: see ddp.ShardedDataParallel).
 """
 
 from __future__ import annotations
@@ -59,3 +60,27 @@ def check_plain_parameter(param: torch.Tensor, name: str) -> None:
         "--fp4-param-gather (--fp8-format / --fp4-format still compute in low precision from high-precision "
         "weights), or drop --zero-stage and use --use-distributed-optimizer"
     )
+
+
+def quantized_nbytes(t: torch.Tensor) -> int:
+    """Bytes held by a TransformerEngine quantized tensor (its data, transpose or column-wise data, and scales, as
+    its `get_metadata()` lists them), or by a plain tensor."""
+    get_metadata = getattr(t, "get_metadata", None)
+    if quantized_class(t) is None or not callable(get_metadata):
+        return t.numel() * t.element_size()
+    parts = [v for v in get_metadata().values() if isinstance(v, torch.Tensor)]
+    return sum(p.numel() * p.element_size() for p in parts)
+
+
+def weight_copy_caches(module: torch.nn.Module) -> list[dict]:
+    """The caches in which TransformerEngine's layers keep the quantized copies of their weights between
+    micro-batches (`TransformerEngineBaseModule._fp8_workspaces`, module/base.py: filled by get_weight_workspace
+    at a step's first micro-batch under FP8, read by the later ones)."""
+    caches = (getattr(m, "_fp8_workspaces", None) for m in module.modules())
+    return [c for c in caches if isinstance(c, dict)]
+
+
+def weight_copy_bytes(caches: list[dict]) -> int:
+    """Bytes of the quantized weight copies held in `caches` now."""
+    return sum(quantized_nbytes(t) for c in caches for t in c.values()
+               if isinstance(t, torch.Tensor) or callable(getattr(t, "get_metadata", None)))

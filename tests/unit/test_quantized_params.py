@@ -25,7 +25,9 @@ from megatron_bfpp.megatron import arg_hooks, check
 from megatron_bfpp.megatron.check import parse_megatron_args
 from megatron_bfpp.sharded import ShardedDataParallel, comm
 from megatron_bfpp.sharded.buffers import FlatParamBuffer
-from megatron_bfpp.sharded.quantized import QuantizedParameterError, quantized_class
+from megatron_bfpp.sharded.quantized import (
+    QuantizedParameterError, quantized_class, weight_copy_bytes, weight_copy_caches,
+)
 from tests.support.megatron_lm import CHECK
 
 FP8_GATHER = ["--fp8-format", "hybrid", "--fp8-param-gather"]
@@ -115,3 +117,29 @@ def test_sharded_wrapper_names_the_quantized_parameter(monkeypatch: pytest.Monke
     with pytest.raises(QuantizedParameterError, match="'weight' is a TransformerEngine NVFP4Tensor"):
         ShardedDataParallel(SimpleNamespace(calculate_per_token_loss=False), DistributedDataParallelConfig(), module,
                             pg_collection=SimpleNamespace(dp_cp="dp"), zero_stage=3, shard_align=1, param_align=1)
+
+
+class Float8TensorStorage:
+    """Named as TransformerEngine's storage of an FP8 tensor: its data and transpose (1 byte an element each) and
+    its scale, as its get_metadata() lists them."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        self._data = torch.zeros(rows, cols, dtype=torch.uint8)
+        self._transpose = torch.zeros(cols, rows, dtype=torch.uint8)
+        self._scale_inv = torch.ones(1)
+
+    def get_metadata(self) -> dict:
+        return {"data": self._data, "fp8_scale_inv": self._scale_inv, "fp8_dtype": "E4M3",
+                "data_transpose": self._transpose, "quantizer": None}
+
+
+def test_quantized_weight_copies_count_data_transpose_and_scales() -> None:
+    """About 2 bytes per weight under FP8 on Hopper (the copy and its transpose), counted from the caches TE's
+    layers keep (`_fp8_workspaces`); plain tensors count by size."""
+    layer = torch.nn.Linear(4, 8)
+    layer._fp8_workspaces = {"weight": Float8TensorStorage(8, 4)}
+    other = torch.nn.Linear(4, 4)
+    other._fp8_workspaces = {"weight": torch.zeros(4, 4, dtype=torch.bfloat16)}
+    caches = weight_copy_caches(torch.nn.Sequential(layer, torch.nn.ReLU(), other))
+    assert len(caches) == 2
+    assert weight_copy_bytes(caches) == (8 * 4 * 2 + 4) + 4 * 4 * 2

@@ -556,3 +556,17 @@ def test_forward_only_needs_micro_batch_0_first_too() -> None:
     s = build("breadth-first", 2, 2, 4, forward_only=True)
     with pytest.raises(ScheduleError, match="F0:1 is stage 0's first forward"):
         validate(_moved_after(s, 0, "F0:0", "F0:1"))
+
+
+@pytest.mark.parametrize("name, vp", [("breadth-first", 2), ("interleaved-1f1b", 2), ("breadth-first-zb", 2),
+                                      ("1f1b", 1)])
+def test_last_releases_are_each_stages_release_after_its_last_compute(name: str, vp: int) -> None:
+    s = make_schedule(name, 2, vp, 4, zero_stage=3)
+    for r in range(2):
+        acts = s.ranks[r]
+        last = s.last_releases(r)
+        assert sorted(acts[i].stage for i in last) == s.stages_of(r)
+        for i in last:
+            assert acts[i].op == Op.RELEASE
+            assert not any(a.op in COMPUTE_OPS and a.stage == acts[i].stage for a in acts[i + 1:])
+            assert not any(a.op == Op.RELEASE and a.stage == acts[i].stage for a in acts[i + 1:])
