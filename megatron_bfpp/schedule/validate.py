@@ -2,8 +2,8 @@
 
 `validate` checks that every (stage, microbatch) has exactly one F and one B on the rank that owns the stage,
 that each stage runs micro-batch 0 first (TransformerEngine's FP8 weights and fused weight gradients depend on
-it, `check_first_microbatch`), that every local order respects the data dependencies, that sends match receives, and that the schedule
-completes under event simulations of the backends:
+it, `check_first_microbatch`), that every local order respects the data dependencies, that sends match
+receives, and that the schedule completes under event simulations of the backends:
 - gloo: sends are buffered, receives are posted without blocking and the compute that consumes one waits
   for its send; bounded weight buffers;
 - NCCL (`simulate_nccl`): a rank's p2p actions are posted in list order; per communicator they execute in
