@@ -188,6 +188,27 @@ def split_backward_note(args: argparse.Namespace, cfg: PluginConfig) -> str | No
             "interleaved-1f1b or breadth-first need no split")
 
 
+def weight_copies_note(args: argparse.Namespace, cfg: PluginConfig) -> str | None:
+    """What ZeRO-3 leaves resident under FP8 / FP4 compute: TransformerEngine's quantized weight copies, made at
+    a step's first micro-batch and kept beside the shards through every RELEASE (its `_fp8_workspaces`), which
+    the sharded wrapper drops only at each stage's last RELEASE of the step (ddp.ShardedDataParallel
+    drop_weight_copies). FP8: the copy and, on Hopper, its transpose (Blackwell's MXFP8: row- and column-wise
+    copies); NVFP4: half a byte an element each way, plus scales."""
+    if cfg.zero_stage != 3:
+        return None
+    if getattr(args, "fp8", None):
+        fmt, size = "--fp8-format", "about 2 bytes"
+    elif getattr(args, "fp4", None):
+        fmt, size = "--fp4-format", "about 1 byte"
+    else:
+        return None
+    return (f"note: {fmt} with --zero-stage 3: TransformerEngine keeps a quantized copy of each layer's weights "
+            f"(and of its transpose), {size} per parameter of its layers, from a step's first micro-batch through "
+            "every RELEASE until the stage's last RELEASE of the step, where the plugin drops it (the next step's "
+            "first micro-batch re-quantizes the weights); the memory stats count it apart "
+            "(fp8_weight_copy_bytes, peak_fp8_weight_copy_bytes)")
+
+
 def delayed_wgrad_post_init(original: Callable) -> Callable:
     """TransformerConfig.__post_init__ that accepts delay_wgrad_compute on any model: Megatron's check ties the
     flag to MoE expert-parallel overlap (its own user of it); the split schedules use it for every layer.
@@ -377,9 +398,9 @@ def install(args: argparse.Namespace) -> PluginConfig:
             what += f", ZeRO-{cfg.zero_stage}"
         rebound = sorted({f'{m.__name__}.{a}' for m, a, _ in plan if hasattr(m, "__name__")})
         _log(f"installed {what} on megatron-core {version}; rebound {', '.join(rebound)}")
-        note = split_backward_note(args, cfg)
-        if note:
-            _log(note)
+        for note in (split_backward_note(args, cfg), weight_copies_note(args, cfg)):
+            if note:
+                _log(note)
     else:
         _log("--pipeline-schedule default: Megatron-LM runs unchanged")
     return cfg

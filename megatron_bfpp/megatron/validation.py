@@ -318,10 +318,34 @@ def _check_queued_weight_gradients(cfg: PluginConfig, args: argparse.Namespace) 
         )
 
 
+def _check_quantized_param_gather(args: argparse.Namespace, zero: int | None) -> None:
+    """--fp8-param-gather / --fp4-param-gather with --zero-stage. Megatron then builds the layers' weights as
+    TransformerEngine quantized tensors (Float8Tensor / MXFP8Tensor / NVFP4Tensor), which re-quantize into
+    their own storage instead of aliasing the flat buffer's view (sharded/quantized.py): the optimizer's updates
+    would never reach the weights. Megatron's own checks, which run later, would instead ask for
+    --use-distributed-optimizer (fp8), which --zero-stage refuses, or for TransformerEngine (fp4).
+    Supporting FP8 parameter all-gathers in the sharded wrapper (half the gather bytes at ZeRO-3) would take
+    quantized shards, their transposes and the scales' reduction: refused until it exists."""
+    if zero is None:
+        return
+    for name, flag, compute in (("fp8_param_gather", "--fp8-param-gather", "--fp8-format"),
+                                ("fp4_param_gather", "--fp4-param-gather", "--fp4-format")):
+        if _flag(args, name, False):
+            raise ConfigError(
+                f"{flag} with --zero-stage {zero}: it makes the layers' weights TransformerEngine quantized "
+                "tensors, which do not live in the sharded wrapper's flat parameter buffer (they re-quantize into "
+                "their own storage, so the optimizer's updates would never reach the weights the forward reads); "
+                f"drop {flag} ({compute} still computes in low precision from the high-precision weights, "
+                f"re-quantized at each step's first micro-batch), or drop --zero-stage and use "
+                f"--use-distributed-optimizer (Megatron's distributed optimizer gathers quantized parameters)"
+            )
+
+
 def check_before_megatron(args: argparse.Namespace) -> None:
     """Conflicts of the plugin's flags with Megatron-LM flags whose own check in Megatron's `validate_args` would
     fire first, with a fix that leads away from the plugin: run on the parsed arguments before it."""
     zero = _flag(args, "zero_stage")
+    _check_quantized_param_gather(args, zero)
     if zero is not None and _flag(args, "overlap_param_gather_with_optimizer_step", False):
         raise ConfigError(
             f"--overlap-param-gather-with-optimizer-step with --zero-stage {zero}: the schedule already steps the "

@@ -114,6 +114,7 @@ class ScheduleExecutor:
         self.deallocate_by_chunk = [bool(config.deallocate_pipeline_outputs) and (not self.split_backward or d)
                                     for d in self.defers_weight_grads]
         self.last_stage = schedule.num_stages - 1
+        self.last_releases = schedule.last_releases(pp_rank)
         self.forward_data_store: list = []
         # On the model's device: the loss function's token count lives there, and finalize reduces it.
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=p2p.device)
@@ -391,7 +392,7 @@ class ScheduleExecutor:
         self.driver.gather(self.schedule.chunk_of(a.stage))
 
     def _do_RELEASE(self, a: Action) -> None:
-        self.driver.release(self.schedule.chunk_of(a.stage))
+        self.driver.release(self.schedule.chunk_of(a.stage), last_in_run=self.step in self.last_releases)
 
     def _do_REDUCE(self, a: Action) -> None:
         self.driver.reduce(self.schedule.chunk_of(a.stage))

@@ -201,6 +201,20 @@ class Schedule:
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.ranks[rank] if a.op in COMPUTE_OPS]
 
+    def last_releases(self, rank: int) -> set[int]:
+        """Indices of the rank's RELEASEs after which no compute of their stage follows: each stage's last of a
+        run (ZeRO-3), where what only that stage's computes use may go until the next run."""
+        out: set[int] = set()
+        computed_later: set[int] = set()
+        for i in range(len(self.ranks[rank]) - 1, -1, -1):
+            a = self.ranks[rank][i]
+            if a.op in COMPUTE_OPS:
+                computed_later.add(a.stage)
+            elif a.op == Op.RELEASE and a.stage not in computed_later:
+                out.add(i)
+                computed_later.add(a.stage)  # earlier RELEASEs of the stage are not its last
+        return out
+
     def count(self, rank: int, op: Op) -> int:
         return sum(1 for a in self.ranks[rank] if a.op == op)
 

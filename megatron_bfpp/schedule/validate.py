@@ -1,8 +1,9 @@
 """Validation of built and lowered schedules, before anything runs.
 
 `validate` checks that every (stage, microbatch) has exactly one F and one B on the rank that owns the stage,
-that every local order respects the data dependencies, that sends match receives, and that the schedule
-completes under event simulations of the backends:
+that each stage runs micro-batch 0 first (TransformerEngine's FP8 weights and fused weight gradients depend on
+it, `check_first_microbatch`), that every local order respects the data dependencies, that sends match
+receives, and that the schedule completes under event simulations of the backends:
 - gloo: sends are buffered, receives are posted without blocking and the compute that consumes one waits
   for its send; bounded weight buffers;
 - NCCL (`simulate_nccl`): a rank's p2p actions are posted in list order; per communicator they execute in
@@ -63,6 +64,34 @@ def check_compute(schedule: Schedule) -> None:
                     raise ScheduleError(f"rank {r} step {pos[(Op.W, s, m)]}: W{s}:{m} runs before I{s}:{m}")
         if schedule.forward_only and any(op in BACKWARD_OPS for op, _, _ in counts):
             raise ScheduleError(f"rank {r}: forward-only schedule contains backward actions")
+
+
+# Per kind of pass over a stage, the ops that run it; each stage's first of them must be micro-batch 0.
+_FIRST_MICROBATCH_PASSES = (("forward", frozenset({Op.F})), ("backward (B or I)", INPUT_GRAD_OPS),
+                            ("weight-gradient pass (B or W)", frozenset({Op.B, Op.W})))
+
+
+def check_first_microbatch(schedule: Schedule) -> None:
+    """Each stage runs micro-batch 0 first in F, in B/I and in B/W. Megatron tells TransformerEngine's layers
+    which micro-batch is a step's first (`is_first_microbatch`, set by forward_step at micro-batch 0): its
+    forward re-quantizes the FP8 weight copies the later micro-batches reuse, and its backward overwrites the
+    fused weight gradient (`accumulate = fuse_wgrad_accumulation and not is_first_microbatch`; at W when the
+    weight GEMMs are deferred, at B or I otherwise) where the others accumulate. Another micro-batch first would
+    run on last step's FP8 weights, or have its gradient overwritten by micro-batch 0's."""
+    for r, acts in enumerate(schedule.ranks):
+        seen: set[tuple[str, int]] = set()
+        for i, a in enumerate(acts):
+            for what, ops in _FIRST_MICROBATCH_PASSES:
+                if a.op not in ops or (what, a.stage) in seen:
+                    continue
+                seen.add((what, a.stage))
+                if a.microbatch != 0:
+                    raise ScheduleError(
+                        f"rank {r} step {i}: {a.text} is stage {a.stage}'s first {what}, before micro-batch 0 "
+                        "(TransformerEngine re-quantizes FP8 weights in micro-batch 0's forward and overwrites "
+                        "the fused weight gradient in its backward, from is_first_microbatch): run micro-batch 0 "
+                        "first in each stage's F, B/I and B/W"
+                    )
 
 
 def _deps(schedule: Schedule, a: Action, split: set[tuple[int, int]]) -> list[tuple[int, Action]]:
@@ -553,6 +582,7 @@ def _compute_only_lowering(schedule: Schedule) -> Schedule:
 def validate(schedule: Schedule) -> Schedule:
     """Raise ScheduleError on the first problem; return the schedule unchanged when it is sound."""
     check_compute(schedule)
+    check_first_microbatch(schedule)
     check_p2p(schedule)
     check_batches(schedule)
     check_step(schedule)

@@ -15,6 +15,8 @@ from typing import Sequence
 
 import torch
 
+from .quantized import check_plain_parameter
+
 DEFAULT_SHARD_ALIGN = 128  # elements; every rank's shard length is a multiple of this
 DEFAULT_PARAM_ALIGN = 64  # elements; each parameter starts at a multiple of this (aligned vector loads)
 
@@ -256,6 +258,8 @@ class FlatParamBuffer(_CountedFull):
     ) -> None:
         if not params:
             raise ValueError("a flat buffer needs at least one parameter")
+        for p, name in zip(params, names):  # before any parameter is remapped
+            check_plain_parameter(p, name)
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
         if len(dtypes) != 1 or len(devices) != 1:

@@ -46,12 +46,21 @@ class RankStats:
     dp_allreduce_bytes: int = 0
     gathered_param_bytes: int = 0  # full-size parameter buffers currently allocated
     peak_gathered_param_bytes: int = 0
+    # TransformerEngine's quantized weight copies (FP8 / FP4) in the rank's layers, as last measured
+    fp8_weight_copy_bytes: int = 0
+    peak_fp8_weight_copy_bytes: int = 0
 
     def reset(self) -> None:
         self.dp_allgather_calls = self.dp_allgather_bytes = 0
         self.dp_reduce_scatter_calls = self.dp_reduce_scatter_bytes = 0
         self.dp_allreduce_calls = self.dp_allreduce_bytes = 0
         self.peak_gathered_param_bytes = self.gathered_param_bytes
+        self.peak_fp8_weight_copy_bytes = self.fp8_weight_copy_bytes
+
+    def on_fp8_weight_copies(self, nbytes: int) -> None:
+        """The rank's quantized weight copies measured now (all its chunks)."""
+        self.fp8_weight_copy_bytes = nbytes
+        self.peak_fp8_weight_copy_bytes = max(self.peak_fp8_weight_copy_bytes, nbytes)
 
     def on_gathered(self, nbytes: int) -> None:
         self.gathered_param_bytes += nbytes

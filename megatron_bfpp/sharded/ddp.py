@@ -57,6 +57,7 @@ from .buffers import (
     LiveBufferCounter,
 )
 from .comm import Pending, RankStats
+from .quantized import weight_copy_bytes, weight_copy_caches
 
 ZERO_STAGES = (1, 2, 3)
 
@@ -344,6 +345,9 @@ class ShardedDataParallel(DistributedDataParallel):
         for p in self.owned_replicated_params:
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
+        # TransformerEngine's caches of quantized (FP8 / FP4) weight copies, made at a step's first micro-batch.
+        self._weight_copy_caches = weight_copy_caches(self.module)
+
         self._hook_handles = []
         delayed_by = _delayed_wgrad_owners(self.module)
         for p in list(self._bucket_of) + self.owned_replicated_params:
@@ -451,8 +455,10 @@ class ShardedDataParallel(DistributedDataParallel):
 
     finish_param_sync = wait_params
 
-    def release_params(self) -> None:
-        """RELEASE: free the gathered parameter storage (ZeRO-3; no-op for ZeRO-1/2)."""
+    def release_params(self, last_in_run: bool = False) -> None:
+        """RELEASE: free the gathered parameter storage (ZeRO-3; no-op for ZeRO-1/2). `last_in_run`: nothing of
+        this chunk runs again in this schedule run, so TransformerEngine's quantized weight copies go too
+        (`drop_weight_copies`)."""
         if self.zero_stage != 3:
             return
         for b in self.flat_buffers:
@@ -462,6 +468,25 @@ class ShardedDataParallel(DistributedDataParallel):
             if b.pbuf.gathered:
                 b.pbuf.free_full()
                 self.stats.on_released(b.pbuf.full_bytes)
+        if last_in_run:
+            self.drop_weight_copies()
+
+    def weight_copy_bytes(self) -> int:
+        """Bytes of the quantized (FP8 / FP4) weight copies TransformerEngine's layers of this chunk hold now."""
+        return weight_copy_bytes(self._weight_copy_caches)
+
+    def drop_weight_copies(self) -> None:
+        """Empty TransformerEngine's caches of quantized weight copies (ZeRO-3, at a stage's last RELEASE of a
+        run). They outlive RELEASE otherwise, about 2 bytes per parameter under FP8 (the copy, and on Hopper its
+        transpose), until the next step's first micro-batch re-quantizes them. Safe because that is all a copy
+        serves: TransformerEngine's get_weight_workspace (module/base.py, 2.8 ... 2.14) builds a missing entry
+        from the current weights, as it does itself after a recipe change or for an entry of the wrong usage
+        (it deletes them); a backward still running holds its own reference to the copy it saved; and the next
+        forward of the stage is micro-batch 0 of a run (schedule/validate.py check_first_microbatch), which
+        re-quantizes the weights anyway, the optimizer having changed them. CUDA graphs, which would keep the
+        copy's address, are refused under ZeRO-3."""
+        for cache in self._weight_copy_caches:
+            cache.clear()
 
     def start_grad_sync(self, *unused) -> None:
         """REDUCE: launch the reduce-scatter of every gradient buffer with new gradients; does not block."""
@@ -716,7 +741,8 @@ class ShardedDataParallel(DistributedDataParallel):
     # -- accounting ------------------------------------------------------------------------------------------
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes resident now: parameters, gradients (full buffers, fp32 shards, replicated main_grads)."""
+        """Bytes resident now: parameters, gradients (full buffers, fp32 shards, replicated main_grads), and
+        TransformerEngine's quantized weight copies (`fp8_weight_copy_bytes`)."""
         param_bytes = grad_bytes = 0
         for b in self.flat_buffers:
             if b.pbuf.gathered:
@@ -729,4 +755,4 @@ class ShardedDataParallel(DistributedDataParallel):
         for p in self.owned_replicated_params:
             param_bytes += p.numel() * p.element_size()
             grad_bytes += p.main_grad.numel() * p.main_grad.element_size()
-        return {"param_bytes": param_bytes, "grad_bytes": grad_bytes}
+        return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "fp8_weight_copy_bytes": self.weight_copy_bytes()}

@@ -107,8 +107,11 @@ class ShardedDriver:
     def wait_params(self, chunk: int) -> None:
         self._chunk(chunk).wait_params()
 
-    def release(self, chunk: int) -> None:
-        self._chunk(chunk).release_params()
+    def release(self, chunk: int, last_in_run: bool = False) -> None:
+        c = self._chunk(chunk)
+        if last_in_run:  # the rank's quantized weight copies peak before the first of them goes
+            self.stats.on_fp8_weight_copies(sum(x.weight_copy_bytes() for x in self.chunks))
+        c.release_params(last_in_run)
 
     def before_backward(self, chunk: int) -> None:
         self._chunk(chunk).before_backward()
@@ -159,14 +162,21 @@ def memory_stats(chunks: Sequence[ShardedDataParallel], optimizer=None) -> dict[
 
     Also the live full-size buffers, in chunks, read from the buffers: `peak_*_buffers` over the last step,
     `max_*_buffers` since the chunks were built (everything, including `full_params` for checkpoints), and
-    the limits they are kept within (None: unbounded, e.g. resident buffers of ZeRO-1/2)."""
-    out = {"param_bytes": 0, "grad_bytes": 0, "optimizer_bytes": 0, "peak_gathered_param_bytes": 0}
+    the limits they are kept within (None: unbounded, e.g. resident buffers of ZeRO-1/2).
+
+    `fp8_weight_copy_bytes`: TransformerEngine's quantized (FP8 / FP4) weight copies held now, outside the
+    parameter buffers; `peak_fp8_weight_copy_bytes`: the most measured this step (now, and at each stage's last
+    RELEASE of ZeRO-3, where they are dropped)."""
+    out = {"param_bytes": 0, "grad_bytes": 0, "optimizer_bytes": 0, "peak_gathered_param_bytes": 0,
+           "fp8_weight_copy_bytes": 0}
     for c in chunks:
         for k, v in c.memory_stats().items():
             out[k] += v
     if optimizer is not None:
         out["optimizer_bytes"] = optimizer.state_bytes()
     stats = link_stats(chunks)
+    stats.on_fp8_weight_copies(out["fp8_weight_copy_bytes"])
+    out["peak_fp8_weight_copy_bytes"] = stats.peak_fp8_weight_copy_bytes
     out["peak_gathered_param_bytes"] = stats.peak_gathered_param_bytes
     out["gathered_param_bytes"] = stats.gathered_param_bytes  # in param_bytes: full buffers allocated now
     out.update(chunks[0].budget.stats())

@@ -4,7 +4,9 @@ D = 2, P = 2: for ZeRO 1, 2 and 3 under breadth-first and interleaved-1f1b (V = 
 and 1f1b (V = 1), the losses of 3 Adam steps, the global gradient norm the trainer reports at each step and the
 final parameters equal the single-process reference on the same global batches (fp32). Global-norm clipping
 (--clip-grad CLIP) engages: the reference's gradient norm exceeds CLIP in at least one step, so the clipped update
-is what is compared. The breadth-first ZeRO-3 run also records a timeline, checked against its schedule.
+is what is compared, with the other hyper-parameters of LLM runs (Adam beta2 0.95, eps 1e-5, weight decay 0.1)
+rather than torch's defaults, which an optimizer ignoring the run's would take. The breadth-first ZeRO-3 run also
+records a timeline, checked against its schedule.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from tests.support.distributed import run_distributed
 
 BASE = ("--num-layers 4 --hidden-size 16 --num-attention-heads 2 --seq-length 16 --max-position-embeddings 16 "
         "--micro-batch-size 1 --global-batch-size 8 --train-iters 3 --lr 1e-2 --lr-decay-style constant "
-        "--weight-decay 0 --hidden-dropout 0 --attention-dropout 0 --seed 11 --vocab-size 128 --mock-data "
+        "--hidden-dropout 0 --attention-dropout 0 --seed 11 --vocab-size 128 --mock-data "
         "--pipeline-model-parallel-size 2 --log-interval 100").split()
 CLIP = 0.6  # below the reference's gradient norm in at least one of the 3 steps (asserted)
-BASE += ["--clip-grad", str(CLIP)]
+BETAS, EPS, WD = (0.9, 0.95), 1e-5, 0.1
+BASE += ["--clip-grad", str(CLIP), "--adam-beta1", str(BETAS[0]), "--adam-beta2", str(BETAS[1]), "--adam-eps", str(EPS),
+         "--weight-decay", str(WD)]
 LOOPED = ["--num-layers-per-virtual-pipeline-stage", "1"]  # V = 2
 RUNS = ([("breadth-first", z) for z in (1, 2, 3)] + [("interleaved-1f1b", z) for z in (1, 2, 3)]
         + [("gpipe", z) for z in (2, 3)] + [("1f1b", z) for z in (2, 3)])
@@ -94,7 +98,7 @@ def _reference_worker(rank: int, world: int) -> dict:
     config = make_transformer_config(num_layers=4, hidden_size=16, num_attention_heads=2, hidden_dropout=0.0,
                                      attention_dropout=0.0)
     run = run_reference(config, iterations, vocab_size=128, max_sequence_length=16, seed=11, optimizer="adamw",
-                        lr=1e-2, weight_decay=0.0, clip_grad=CLIP, keep_grads=True)
+                        lr=1e-2, weight_decay=WD, betas=BETAS, eps=EPS, clip_grad=CLIP, keep_grads=True)
     # The global norm of each step's gradient (taken before clipping), as torch.nn.utils.clip_grad_norm_ sees it.
     norms = [float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in s.grads.values()])))
              for s in run.steps]

@@ -41,11 +41,14 @@ needs_checkout = pytest.mark.skipif(
 )
 
 # A tiny GPT: 4 layers, P = 2 with V = 2 (one layer per virtual stage), mock data, no dropout, fp32, and the
-# local (non-TransformerEngine) layers with every fusion off so CPU runs the same math as stock.
+# local (non-TransformerEngine) layers with every fusion off so CPU runs the same math as stock. The optimizer's
+# hyper-parameters are those LLM runs use, not Megatron's defaults (beta2 0.999, eps 1e-8, weight decay 0.01),
+# which equal torch's: an optimizer that ignored the run's and took torch's would match stock otherwise.
 TINY = (
     "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
     "--vocab-size 128 --tokenizer-type NullTokenizer --mock-data --seed 1234 "
     "--micro-batch-size 1 --global-batch-size 8 --train-iters 4 --lr 1e-3 --lr-decay-style constant "
+    "--adam-beta2 0.95 --adam-eps 1e-5 --weight-decay 0.1 --clip-grad 1.0 "
     "--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --log-params-norm "
     "--eval-iters 1 --eval-interval 2 --distributed-backend gloo --num-workers 0 "
     "--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion "

@@ -114,6 +114,15 @@ class SelfAccumulatingToyStage(_MegatronToyStage):
 # module/_common.py WeightGradStore 217, pop 269; module/linear.py _Linear.backward: main_grad read 505, bias
 # gradient 594 and the wgrad GEMM's "bias" argument 847, queued GEMM 885, "Handle custom DDP from mcore" 931-952;
 # Linear.__init__ skip_backward_post_hook 1325; Linear.forward bias argument 1447, return_bias 1486.
+# The first micro-batch of a step (`is_first_microbatch`: Megatron's TELinear starts it True, its forward passes
+# it on and clears it, MegatronModule.set_is_first_microbatch sets it again under FP8; None with
+# disable_parameter_transpose_cache), at v2.10 unless said: under FP8 _Linear.forward takes the weight from
+# get_weight_workspace (module/base.py 1333) with cache_name "weight" and update_workspace=is_first_microbatch
+# (linear.py 268-272; v2.8 253-257): the cached copy of micro-batch 0 serves the others, and a missing cache
+# entry is rebuilt from the current weights; _Linear.backward's `accumulate_wgrad_into_param_main_grad =
+# fuse_wgrad_accumulation and not is_first_microbatch` (834-838; v2.8 823-827): micro-batch 0 overwrites
+# main_grad, also from a queued GEMM (the flag is bound when it is queued). GroupedLinear alike (grouped_linear.py
+# cache_name f"weight{i}" 151-157, accumulate 350-354).
 TE_BANDS = ("2.7", "2.8", "2.10")
 
 _dummy_wgrads: dict[tuple, torch.Tensor] = {}
@@ -154,6 +163,12 @@ class WeightGradStore:
         raise RuntimeError("Pop empty queue.")
 
 
+def accumulates_into_main_grad(fused: bool, is_first_microbatch: bool | None) -> bool:
+    """Whether the weight GEMM adds to main_grad (`accumulate_wgrad_into_param_main_grad`): fused, and not the
+    first micro-batch, which overwrites it."""
+    return fused and not is_first_microbatch if is_first_microbatch is not None else fused
+
+
 class _Linear(torch.autograd.Function):
     """module/linear.py _Linear with bias handling and wgrad as TransformerEngine's (2.7 ... 2.20 alike):
     - `bias` is None unless the module applies it inside (Linear.forward passes `bias_tensor if (self.apply_bias
@@ -167,13 +182,16 @@ class _Linear(torch.autograd.Function):
       (accumulate) under fuse_wgrad_accumulation, also when the GEMM is queued.
     - "Handle custom DDP from mcore": with fuse_wgrad_accumulation and a weight carrying grad_added_to_main_grad,
       the flag is set and the weight's gradient is get_dummy_wgrad(...) (zeros with zero_out_wgrad); fused
-      without it, None; unfused and delayed, None (the GEMM runs in backward_dw)."""
+      without it, None; unfused and delayed, None (the GEMM runs in backward_dw).
+    - `weightmat`: what the GEMMs read, the weight or under FP8 its cached copy; `is_first_microbatch` decides
+      whether the weight GEMM accumulates into main_grad (see the comment above TE_BANDS)."""
 
     @staticmethod
-    def forward(ctx, weight, inp, bias, module):
-        ctx.save_for_backward(inp, weight)
+    def forward(ctx, weight, inp, bias, module, weightmat, is_first_microbatch):
+        ctx.save_for_backward(inp, weightmat)
         ctx.bias, ctx.use_bias, ctx.module = bias, bias is not None, module
-        out = inp @ weight.t()
+        ctx.is_first_microbatch = is_first_microbatch
+        out = inp @ weightmat.t()
         return out + bias if bias is not None else out
 
     @staticmethod
@@ -185,12 +203,13 @@ class _Linear(torch.autograd.Function):
         x, dy = inp.reshape(-1, inp.shape[-1]), grad_output.reshape(-1, grad_output.shape[-1])
         grad_bias = dy.sum(0) if (m.fp8 and ctx.use_bias) else None  # grad_output_preprocess
         gemm_bias = ctx.use_bias and grad_bias is None and not m.fp8
+        accumulate = accumulates_into_main_grad(m.fuse_wgrad_accumulation, ctx.is_first_microbatch)
 
         @torch.no_grad()  # TransformerEngine's GEMM is not recorded by autograd
         def wgrad_gemm(x, dy):
             dw = dy.t() @ x
-            if main_grad is not None:  # out=main_grad, accumulate=True
-                dw = main_grad.add_(dw)
+            if main_grad is not None:  # out=main_grad
+                dw = main_grad.add_(dw) if accumulate else main_grad.copy_(dw)
             return dw, (dy.sum(0) if gemm_bias else None)
 
         dgrad = grad_output @ weight
@@ -208,7 +227,7 @@ class _Linear(torch.autograd.Function):
             wgrad = get_dummy_wgrad(list(main_grad.shape), param.dtype, zero=getattr(param, "zero_out_wgrad", False))
         elif m.fuse_wgrad_accumulation:
             wgrad = None
-        return wgrad, dgrad, grad_bias, None
+        return wgrad, dgrad, grad_bias, None, None, None
 
 
 class _DelayedWgradModule(torch.nn.Module):
@@ -220,6 +239,8 @@ class _DelayedWgradModule(torch.nn.Module):
         self.wgrad_store = WeightGradStore(delay_wgrad_compute)
         self.wgrad_accumulation_and_reduce_hooks: list = []
         self.backward_dw_calls = 0
+        self.is_first_microbatch = True  # Megatron's TE layers: set at micro-batch 0, cleared by each forward
+        self._fp8_workspaces: dict[str, torch.Tensor] = {}  # module/base.py: the cached quantized weights
         # __init__: "if self.wgrad_store.delay_wgrad_compute(): ... param.skip_backward_post_hook = True"
         if self.wgrad_store.delay_wgrad_compute():
             for name, param in self.named_parameters():
@@ -227,6 +248,24 @@ class _DelayedWgradModule(torch.nn.Module):
                     param.skip_backward_post_hook = True
         if version == "2.10":  # need_backward_dw() exists from 2.10 on
             self.need_backward_dw = self.wgrad_store.delay_wgrad_compute
+
+    def _take_is_first_microbatch(self) -> bool | None:
+        """Megatron's TE layer forward: pass `is_first_microbatch` on and clear it."""
+        is_first, self.is_first_microbatch = self.is_first_microbatch, False
+        return is_first
+
+    def get_weight_workspace(self, tensor: torch.Tensor, cache_name: str | None,
+                             update_workspace: bool) -> torch.Tensor:
+        """module/base.py get_weight_workspace: the "quantized" copy (a copy here, same values) cached under
+        `cache_name`, made from `tensor` when missing and refreshed when `update_workspace`."""
+        out = self._fp8_workspaces.get(cache_name) if cache_name is not None else None
+        if out is None:
+            out = tensor.detach().clone()
+            if cache_name is not None:
+                self._fp8_workspaces[cache_name] = out
+        elif update_workspace:
+            out.copy_(tensor.detach())
+        return out
 
     def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
         self.wgrad_accumulation_and_reduce_hooks.append(hook)
@@ -258,7 +297,12 @@ class DelayedWgradLinear(_DelayedWgradModule):
         self._init_delayed_wgrads(delay_wgrad_compute, version, {*self.weight_names, *self.bias_names})
 
     def forward(self, x):
-        out = _Linear.apply(self.weight, x, self.bias if self.apply_bias else None, self)
+        is_first = self._take_is_first_microbatch()
+        weightmat = self.weight
+        if self.fp8:
+            weightmat = self.get_weight_workspace(self.weight, None if is_first is None else "weight",
+                                                  update_workspace=is_first is None or is_first)
+        out = _Linear.apply(self.weight, x, self.bias if self.apply_bias else None, self, weightmat, is_first)
         return (out, self.bias) if self.return_bias else out  # Linear.forward: "if self.return_bias: ..."
 
     def _apply_popped(self, grads, _) -> None:
@@ -322,11 +366,11 @@ class _GroupedLinear(torch.autograd.Function):
     group i through expert i."""
 
     @staticmethod
-    def forward(ctx, inp, module, *params):
+    def forward(ctx, inp, module, is_first_microbatch, *params):
         n = module.num_gemms
         weights, biases = params[:n], params[n:]
         ctx.save_for_backward(inp, *weights)
-        ctx.module = module
+        ctx.module, ctx.is_first_microbatch = module, is_first_microbatch
         xs = torch.split(inp.reshape(-1, inp.shape[-1]), module.m_splits)
         outs = [x @ w.t() + (biases[i] if biases else 0) for i, (x, w) in enumerate(zip(xs, weights))]
         return torch.cat(outs).view(*inp.shape[:-1], weights[0].shape[0])
@@ -336,6 +380,7 @@ class _GroupedLinear(torch.autograd.Function):
         inp, *weights = ctx.saved_tensors
         m = ctx.module
         n, delayed, fused = m.num_gemms, m.wgrad_store.delay_wgrad_compute(), m.fuse_wgrad_accumulation
+        accumulate = accumulates_into_main_grad(fused, ctx.is_first_microbatch)
         params = [getattr(m, f"weight{i}") for i in range(n)]  # the Parameters (main_grad, grad_added_to_main_grad)
         xs = torch.split(inp.reshape(-1, inp.shape[-1]), m.m_splits)
         dys = torch.split(grad_output.reshape(-1, grad_output.shape[-1]), m.m_splits)
@@ -345,10 +390,10 @@ class _GroupedLinear(torch.autograd.Function):
         else:  # torch.empty in TransformerEngine: NaN here, so an unfilled buffer taken for a gradient shows
             wgrad_list = [torch.full(w.shape, float("nan"), dtype=w.dtype) for w in weights]
 
-        @torch.no_grad()  # general_grouped_gemm: out=wgrad_list, accumulate when fused, bias gradients fused in
+        @torch.no_grad()  # general_grouped_gemm: out=wgrad_list, accumulate as above, bias gradients fused in
         def grouped_gemm_wgrad(xs, dys, wgrad_list):
             for x, dy, out in zip(xs, dys, wgrad_list):
-                if fused:
+                if accumulate:
                     out.add_(dy.t() @ x)
                 else:
                     out.copy_(dy.t() @ x)
@@ -374,7 +419,7 @@ class _GroupedLinear(torch.autograd.Function):
             wgrad_list = [None] * n
         if not m.use_bias or delayed:
             grad_biases = [None] * n
-        return (dgrad, None, *wgrad_list, *(grad_biases if m.use_bias else []))
+        return (dgrad, None, None, *wgrad_list, *(grad_biases if m.use_bias else []))
 
 
 class DelayedWgradGroupedLinear(_DelayedWgradModule):
@@ -399,7 +444,7 @@ class DelayedWgradGroupedLinear(_DelayedWgradModule):
 
     def forward(self, x):
         biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
-        return _GroupedLinear.apply(x, self, *self.weights(), *biases)
+        return _GroupedLinear.apply(x, self, self._take_is_first_microbatch(), *self.weights(), *biases)
 
     def _apply_popped(self, grads, tensor_list) -> None:
         _, grad_biases_, _ = grads

@@ -280,6 +280,28 @@ def test_split_schedule_on_transformer_engine_layers_without_delay_says_w_has_no
     assert split_backward_note(args, bm.install(args)) is None
 
 
+@pytest.mark.parametrize("zero, flags, noted", [
+    ("3", ["--fp8-format", "hybrid"], "about 2 bytes"), ("3", ["--fp4-format", "e2m1"], "about 1 byte"),
+    ("2", ["--fp8-format", "hybrid"], None), ("3", [], None)])
+def test_zero3_with_fp8_says_transformer_engine_keeps_weight_copies(restore, monkeypatch, capsys, zero: str,
+                                                                   flags: list[str], noted: str | None) -> None:
+    """ZeRO-3 under FP8 / FP4: the start-up message says TransformerEngine keeps quantized weight copies beside the
+    shards, how much, until when, and where the memory stats count them; ZeRO-1/2 (resident weights, copies as
+    in stock) and bf16 say nothing."""
+    from megatron.training import arguments
+
+    monkeypatch.setattr(arguments, "is_te_min_version", lambda version: True)  # --fp4-format checks for TE
+    bm.install(_args(*VIRTUAL, "--global-batch-size", "16", "--pipeline-schedule", "breadth-first", "--zero-stage", zero,
+                     *flags))
+    out = capsys.readouterr().out
+    if noted is None:
+        assert "weight cop" not in out, out
+        return
+    fmt = flags[0]
+    assert f"note: {fmt} with --zero-stage 3: TransformerEngine keeps" in out and noted in out, out
+    assert "last RELEASE" in out and "fp8_weight_copy_bytes" in out, out
+
+
 @pytest.mark.parametrize("version, flags, blocked", [
     ("2.7.0", {}, None), ("2.3.0", {}, ">= 2.7.0"), ("2.6.0", {"gradient_accumulation_fusion": True}, ">= 2.7.0"),
     ("2.6.0", {"gradient_accumulation_fusion": False}, ">= 2.7.0"),
@@ -379,6 +401,7 @@ def test_install_is_atomic_when_a_replacement_is_missing(restore, monkeypatch: p
     training = restore
     original = training.get_forward_backward_func
     monkeypatch.setitem(sys.modules, "megatron_bfpp.megatron.sharded_compat", None)  # import fails
+    monkeypatch.delattr(bm, "sharded_compat", raising=False)  # also when an earlier test imported it
     with pytest.raises(ImportError, match="megatron_bfpp.megatron.sharded_compat"):
         bm.install(_args(*VIRTUAL, "--global-batch-size", "8", "--pipeline-schedule", "breadth-first",
                          "--zero-stage", "3"))

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -519,3 +520,53 @@ def test_without_i_writes_grads_an_i_may_run_outside_its_gradient_buffer():
     and two stages per rank), which fused layers would write into freed memory."""
     plain = make_schedule("breadth-first-zb", 2, 2, 4, zero_stage=2, grad_buffers=1, w_needs_weights=False)
     assert any(_live_grad_buffers(acts, frozenset({Op.B, Op.I, Op.W})) > 1 for acts in plain.ranks)
+
+
+def _moved_after(s: Schedule, rank: int, x: str, y: str) -> Schedule:
+    """`s` with action `x` of `rank` (text form) moved to right after action `y`."""
+    acts = list(s.ranks[rank])
+    moved = acts.pop(acts.index(Action.parse(x)))
+    acts.insert(acts.index(Action.parse(y)) + 1, moved)
+    return dataclasses.replace(s, ranks=[acts if r == rank else list(a) for r, a in enumerate(s.ranks)])
+
+
+@pytest.mark.parametrize("name, rank, x, y, first", [
+    ("breadth-first", 0, "F2:0", "F2:1", "forward"),
+    ("1f1b", 1, "B1:0", "B1:1", "backward (B or I)"),
+    ("breadth-first-zb", 0, "I2:0", "I2:1", "backward (B or I)"),
+    ("breadth-first-zb", 0, "W2:0", "W2:1", "weight-gradient pass (B or W)"),
+    ("interleaved-zb", 0, "W0:0", "W0:1", "weight-gradient pass (B or W)"),
+])
+def test_validation_requires_micro_batch_0_first_in_each_stage(name: str, rank: int, x: str, y: str,
+                                                               first: str) -> None:
+    """TransformerEngine re-quantizes a layer's FP8 weights in the forward of micro-batch 0 (is_first_microbatch)
+    and overwrites, instead of accumulating, the fused weight gradient in its backward: each stage must run
+    micro-batch 0 first in F, in B/I and in B/W. An order otherwise sound (dependencies, p2p) is refused."""
+    vp = 1 if name == "1f1b" else 2
+    s = build(name, 2, vp, 4)
+    validate(s)
+    broken = _moved_after(s, rank, x, y)
+    stage = Action.parse(x).stage
+    with pytest.raises(ScheduleError, match=rf"rank {rank} step \d+: {y} is stage {stage}'s first {re.escape(first)}, "
+                                            rf"before micro-batch 0 \(.*is_first_microbatch"):
+        validate(broken)
+
+
+def test_forward_only_needs_micro_batch_0_first_too() -> None:
+    s = build("breadth-first", 2, 2, 4, forward_only=True)
+    with pytest.raises(ScheduleError, match="F0:1 is stage 0's first forward"):
+        validate(_moved_after(s, 0, "F0:0", "F0:1"))
+
+
+@pytest.mark.parametrize("name, vp", [("breadth-first", 2), ("interleaved-1f1b", 2), ("breadth-first-zb", 2),
+                                      ("1f1b", 1)])
+def test_last_releases_are_each_stages_release_after_its_last_compute(name: str, vp: int) -> None:
+    s = make_schedule(name, 2, vp, 4, zero_stage=3)
+    for r in range(2):
+        acts = s.ranks[r]
+        last = s.last_releases(r)
+        assert sorted(acts[i].stage for i in last) == s.stages_of(r)
+        for i in last:
+            assert acts[i].op == Op.RELEASE
+            assert not any(a.op in COMPUTE_OPS and a.stage == acts[i].stage for a in acts[i + 1:])
+            assert not any(a.op == Op.RELEASE and a.stage == acts[i].stage for a in acts[i + 1:])
