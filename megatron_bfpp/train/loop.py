@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import report
+from . import library_warnings, report
 from .faults import FaultInjector
 from .config import TrainerConfigError, parse_trainer_args
 
@@ -280,12 +280,14 @@ class Trainer:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    rank = int(os.environ.get("RANK", "0"))
+    library_warnings.install(rank)  # before Megatron's imports: their warnings once, on rank 0
     try:
         args = parse_trainer_args(argv)
     except TrainerConfigError as e:  # every rank checks the same flags: the first to report prints
         from .faults import report_config_error
 
-        return report_config_error(e, int(os.environ.get("RANK", "0")))
+        return report_config_error(e, rank)
     from . import parallel
     from .faults import report_failure
 
