@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import sys
 import warnings
 from typing import Any, Callable
 
@@ -74,25 +73,22 @@ class KindsSeen:
 
 
 class LibraryWarnings:
-    """`warnings.showwarning` for the trainer's processes: library warnings through `KindsSeen`, one line
-    each; this package's through the previous `showwarning`, unchanged."""
+    """`warnings.formatwarning` for the trainer's processes: a library warning as one line the first time of its
+    kind on a process that shows them, else as nothing (Python then writes nothing); this package's through the
+    previous `formatwarning`, unchanged. Formatting only: the filters still decide which warnings are shown or
+    raised, and a recording `catch_warnings` (pytest's) still records them all."""
 
-    def __init__(self, kinds: KindsSeen, previous: Callable[..., None], stream: Any = None) -> None:
+    def __init__(self, kinds: KindsSeen, previous: Callable[..., str]) -> None:
         self.kinds = kinds
         self.previous = previous
-        self.stream = stream
 
-    def __call__(self, message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
-                 line: str | None = None) -> None:
+    def __call__(self, message: Any, category: type[Warning], filename: str, lineno: int,
+                 line: str | None = None) -> str:
         if not is_library_file(filename):
-            self.previous(message, category, filename, lineno, file, line)
-            return
+            return self.previous(message, category, filename, lineno, line)
         if self.kinds.first(category.__name__, str(message)):
-            out = file or self.stream or sys.stderr
-            try:
-                print(one_line(message, category, filename, lineno), file=out, flush=True)
-            except OSError:  # as Python's own showwarning: a closed stream loses the warning, not the run
-                pass
+            return one_line(message, category, filename, lineno) + "\n"
+        return ""
 
 
 class LibraryLogFilter(logging.Filter):
@@ -128,7 +124,7 @@ def install(rank: int | None) -> None:
     if _installed is not None or os.environ.get(ENV, "").lower() == "all":
         return
     kinds = KindsSeen(rank)
-    warnings.showwarning = LibraryWarnings(kinds, warnings.showwarning)
+    warnings.formatwarning = LibraryWarnings(kinds, warnings.formatwarning)
     flt = _installed = LibraryLogFilter(kinds)
     for logger in _all_loggers():
         logger.addFilter(flt)
@@ -145,8 +141,8 @@ def install(rank: int | None) -> None:
 def uninstall() -> None:
     """Undo `install` (the launcher, once its flag check is done, and tests)."""
     global _installed, _previous_logger_class
-    if isinstance(warnings.showwarning, LibraryWarnings):
-        warnings.showwarning = warnings.showwarning.previous
+    if isinstance(warnings.formatwarning, LibraryWarnings):
+        warnings.formatwarning = warnings.formatwarning.previous
     if _installed is not None:
         for logger in _all_loggers():
             logger.removeFilter(_installed)

@@ -316,6 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     library_warnings.install(rank)  # before Megatron's imports: their warnings once, on rank 0
     try:
+        return _main(argv, rank)
+    finally:  # an in-process caller (tests) gets the warnings as they were
+        library_warnings.uninstall()
+
+
+def _main(argv: list[str], rank: int) -> int:
+    try:
         args = parse_trainer_args(argv)
     except TrainerConfigError as e:  # every rank checks the same flags: the first to report prints
         from .faults import report_config_error
@@ -330,7 +337,6 @@ def main(argv: list[str] | None = None) -> int:
         return report_failure(e, dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0)))
     parallel.destroy_parallel()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,42 +32,45 @@ def test_kind_and_line():
     assert lw.is_library_file(LIB) and not lw.is_library_file(OURS)
 
 
-def _show(rank: int | None, *warns: tuple[str, str]) -> tuple[str, list[str]]:
-    """What a process of `rank` prints for the given (message, filename) warnings: (stream, previous calls)."""
-    out, previous = io.StringIO(), []
-    show = lw.LibraryWarnings(lw.KindsSeen(rank), lambda m, c, f, n, file=None, line=None: previous.append(str(m)),
-                              stream=out)
+def _show(rank: int | None, *warns: tuple[str, str]) -> str:
+    """What a process of `rank` writes for the given (message, filename) warnings."""
+    out = io.StringIO()
+    fmt = lw.LibraryWarnings(lw.KindsSeen(rank), lambda m, c, f, n, line=None: f"as before: {m}\n")
     with warnings.catch_warnings():
         warnings.simplefilter("always")
-        warnings.showwarning = show
+        warnings.formatwarning = fmt
+        warnings.showwarning = lambda m, c, f, n, file=None, line=None: out.write(warnings.formatwarning(m, c, f, n))
         for message, filename in warns:
             warnings.warn_explicit(message, UserWarning, filename, 25, module="m", registry={})
-    return out.getvalue(), previous
+    return out.getvalue()
 
 
 def test_rank0_prints_each_library_kind_once_on_one_line():
-    out, previous = _show(0, (TE_1, LIB), (TE_2, LIB), ("absl.logging is not installed. Using logging.", LIB),
-                          (TE_1, LIB), ("ours", OURS))
+    out = _show(0, (TE_1, LIB), (TE_2, LIB), ("absl.logging is not installed. Using logging.", LIB), (TE_1, LIB),
+                ("ours", OURS))
     assert out.splitlines() == [
         f"warning: {TE_1} [UserWarning, megatron/core/optimizer/__init__.py:25]",
         "warning: absl.logging is not installed. Using logging. [UserWarning, megatron/core/optimizer/__init__.py:25]",
+        "as before: ours",  # the package's own warning, as Python prints it
     ]
-    assert previous == ["ours"]  # the package's own warning, as Python prints it
 
 
 @pytest.mark.parametrize("rank", [1, None])
 def test_other_ranks_and_the_launcher_print_no_library_warning(rank):
-    out, previous = _show(rank, (TE_1, LIB), ("ours", OURS))
-    assert out == "" and previous == ["ours"]
+    assert _show(rank, (TE_1, LIB), ("ours", OURS)) == "as before: ours\n"
 
 
-def test_warnings_turned_into_errors_still_raise():
-    show = lw.LibraryWarnings(lw.KindsSeen(1), warnings.showwarning)
+def test_warnings_turned_into_errors_still_raise_and_recorders_still_record():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        warnings.showwarning = show
+        warnings.formatwarning = lw.LibraryWarnings(lw.KindsSeen(1), warnings.formatwarning)
         with pytest.raises(UserWarning, match="not installed"):
             warnings.warn_explicit(TE_1, UserWarning, LIB, 25, module="m", registry={})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warnings.formatwarning = lw.LibraryWarnings(lw.KindsSeen(1), warnings.formatwarning)
+        warnings.warn_explicit(TE_1, UserWarning, LIB, 25, module="m", registry={})
+    assert [str(w.message) for w in seen] == [TE_1]
 
 
 def _record(name: str, level: int, msg: str) -> logging.LogRecord:
@@ -92,26 +95,26 @@ def test_log_filter():
 def test_install_reaches_existing_and_later_loggers(monkeypatch):
     monkeypatch.delenv(lw.ENV, raising=False)
     before = logging.getLogger("bfpp_test.existing")
-    show, logger_class = warnings.showwarning, logging.getLoggerClass()
+    fmt, logger_class = warnings.formatwarning, logging.getLoggerClass()
     lw.install(1)
     try:
         later = logging.getLogger("bfpp_test.created_after_install")
         for logger in (before, later):
             assert not logger.filter(_record(logger.name, logging.WARNING, "a library notice"))
             assert logger.filter(_record(logger.name, logging.ERROR, "a library error"))
-        assert isinstance(warnings.showwarning, lw.LibraryWarnings)
+        assert isinstance(warnings.formatwarning, lw.LibraryWarnings)
     finally:
         lw.uninstall()
     assert before.filter(_record(before.name, logging.WARNING, "a library notice"))
-    assert warnings.showwarning is show and logging.getLoggerClass() is logger_class
+    assert warnings.formatwarning is fmt and logging.getLoggerClass() is logger_class
 
 
 def test_every_rank_prints_as_before_when_asked(monkeypatch):
     monkeypatch.setenv(lw.ENV, "all")
-    show = warnings.showwarning
+    fmt = warnings.formatwarning
     lw.install(1)
     try:
-        assert warnings.showwarning is show
+        assert warnings.formatwarning is fmt
         assert logging.getLogger("bfpp_test.all").filter(_record("bfpp_test.all", logging.WARNING, "notice"))
     finally:
         lw.uninstall()
