@@ -113,7 +113,9 @@ def prediction_line(predicted: Mapping[str, Any] | None, measured: Mapping[str, 
         line += (f" | bound by CPU: {machine['ranks']} ranks need {machine['cpu_s_per_step'] * 1e3:.0f} ms of CPU "
                  f"per step on {machine['cores']} cores (the schedule alone, one core per rank: "
                  f"{predicted['schedule_bound_s'] * 1e3:.1f} ms)")
-        if isinstance(machine.get("load_average_1min"), float):
+        if isinstance(machine.get("other_processes_cores"), float):
+            line += f"; other processes kept {machine['other_processes_cores']:.1f} cores busy meanwhile"
+        elif isinstance(machine.get("load_average_1min"), float):
             line += f"; load average {machine['load_average_1min']:.1f}"
     elif machine:
         line += (f" | bound by the schedule (the ranks' CPU time over the cores: "

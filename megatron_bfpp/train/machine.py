@@ -1,5 +1,6 @@
 """What one rank measures of the machine for the measured prediction (`measured_prediction`): its CPU time per
-iteration, the cores it may run on, the bytes its stages gather and reduce, and the collectives' timings."""
+iteration, the cores it may run on, the bytes its stages gather and reduce, the collectives' timings, and, for
+context, how busy other processes kept the machine."""
 
 from __future__ import annotations
 
@@ -11,25 +12,44 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from . import comm_bench
+from .measured_prediction import WARMUP_ITERATIONS
 
 if TYPE_CHECKING:
     from ..sharded.ddp import ShardedDataParallel
 
 
 class CpuClock:
-    """Process and main-thread CPU seconds of each iteration (`start` / `stop` around it)."""
+    """Per iteration (`start` / `stop` around it): this process's and its main thread's CPU seconds, the wall
+    seconds, and the CPU seconds every process of the machine ran (`machine_busy_s`; None where unknown)."""
 
     def __init__(self) -> None:
         self.process_s: list[float] = []
         self.thread_s: list[float] = []
-        self._t0 = (0.0, 0.0)
+        self.wall_s: list[float] = []
+        self.machine_s: list[float | None] = []
+        self._t0: tuple[float, float, float, float | None] = (0.0, 0.0, 0.0, None)
 
     def start(self) -> None:
-        self._t0 = (time.process_time(), time.thread_time())
+        self._t0 = (time.process_time(), time.thread_time(), time.perf_counter(), machine_busy_s())
 
     def stop(self) -> None:
+        busy = machine_busy_s()
         self.process_s.append(time.process_time() - self._t0[0])
         self.thread_s.append(time.thread_time() - self._t0[1])
+        self.wall_s.append(time.perf_counter() - self._t0[2])
+        self.machine_s.append(None if busy is None or self._t0[3] is None else busy - self._t0[3])
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds all processes of the machine have run since boot (user, nice, system, interrupts, and time
+    the hypervisor gave to others: steal), from Linux's /proc/stat; None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def cores_available() -> list[int]:
@@ -79,7 +99,9 @@ def rank_stats(chunks: Sequence[ShardedDataParallel], *, clock: CpuClock, iterat
                                           dp_sizes_bytes=[*comm_bench.SIZES_BYTES, largest],
                                           p2p_sizes_bytes=comm_bench.SIZES_BYTES, device=device)
     picked = [i - first_iteration for i in iterations if 0 <= i - first_iteration < len(clock.process_s)]
+    steady = range(min(WARMUP_ITERATIONS, len(clock.process_s)), len(clock.process_s))
     on_cpu = device.type == "cpu"
+    machine_s = [clock.machine_s[i] for i in steady]
     return {
         "pp_rank": pp_rank,
         "cpu_s": [clock.process_s[i] for i in picked] if on_cpu else None,
@@ -87,6 +109,9 @@ def rank_stats(chunks: Sequence[ShardedDataParallel], *, clock: CpuClock, iterat
         "machine": socket.gethostname(),
         "cpus": cores_available(),
         "load_average_1min": load_average(),
+        "steady_cpu_s": sum(clock.process_s[i] for i in steady),
+        "steady_wall_s": sum(clock.wall_s[i] for i in steady),
+        "steady_machine_busy_s": None if None in machine_s else sum(machine_s),  # type: ignore[arg-type]
         "stage_bytes": own,
         "p2p_bytes": p2p_bytes,
         "collectives": timings,

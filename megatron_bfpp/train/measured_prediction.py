@@ -64,7 +64,9 @@ class MachineCosts:
     cpu_s: list[float] = field(default_factory=list)
     machine_of_rank: list[str] = field(default_factory=list)
     cores: dict[str, int] = field(default_factory=dict)
-    load_average_1min: dict[str, float | None] = field(default_factory=dict)  # context: other work on the cores
+    # Context, not used to predict: other work on the machine's cores.
+    load_average_1min: dict[str, float | None] = field(default_factory=dict)
+    other_processes_cores: dict[str, float | None] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -140,7 +142,8 @@ def predict(schedule: Schedule, mc: MachineCosts, overlap: bool = True) -> dict:
         out["cpu_bound_s"] = cpu_s
         out["cpu_bound_machine"] = {"ranks": mc.machine_of_rank.count(host), "cores": mc.cores[host],
                                     "cpu_s_per_step": cpu_s * mc.cores[host],
-                                    "load_average_1min": mc.load_average_1min.get(host)}
+                                    "load_average_1min": mc.load_average_1min.get(host),
+                                    "other_processes_cores": mc.other_processes_cores.get(host)}
     out["costs"] = mc.to_dict()
     return out
 
@@ -198,6 +201,22 @@ def machine_costs(schedule: Schedule, costs: Mapping[tuple[str, int], float], pe
             cpus.setdefault(str(r["machine"]), set()).update(r["cpus"])
         out.cores = {m: max(1, len(c)) for m, c in cpus.items()}
         out.load_average_1min = {str(r["machine"]): r.get("load_average_1min") for r in per_rank}
+        if all("steady_cpu_s" in r for r in per_rank):
+            out.other_processes_cores = other_processes_cores(per_rank)
+    return out
+
+
+def other_processes_cores(per_rank: Sequence[dict]) -> dict[str, float | None]:
+    """Per machine: the cores other processes kept busy while the run's iterations ran (after the warm-up):
+    all the machine's CPU time less its ranks' own, over the wall time, both as its first rank saw them. Context
+    for a reader comparing predicted and measured step times; nothing predicted depends on it."""
+    out: dict[str, float | None] = {}
+    for r in per_rank:
+        host = str(r["machine"])
+        mine = sum(x["steady_cpu_s"] for x in per_rank if str(x["machine"]) == host)
+        if host not in out:
+            busy, wall = r.get("steady_machine_busy_s"), r.get("steady_wall_s")
+            out[host] = max(busy - mine, 0.0) / wall if busy is not None and wall else None
     return out
 
 

@@ -106,6 +106,7 @@ def prediction(args: argparse.Namespace, iteration_times: list[float], *, first_
             and all(s.get("machine") for s in per_rank):
         try:
             measured = measured_prediction_for(args, per_rank, events, ran, calibration)
+            measured["tokens_per_s"] = args.global_batch_size * args.seq_length / measured["step_time_s"]
             # over the unit-cost block: its figures that do not depend on the machine stay
             out = {**{k: v for k, v in out.items() if k != "error"}, **measured}
         except Exception as e:  # a report is still written; say why the measured costs gave no prediction

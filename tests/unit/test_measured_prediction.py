@@ -67,6 +67,8 @@ def rank_stats(rank: int, cpu: float, thread_cpu: float, cores=(0, 1)) -> dict:
     pp_rank = rank // D
     return {"pp_rank": pp_rank, "cpu_s": [cpu, cpu * 3, cpu], "thread_cpu_s": [thread_cpu] * 3, "machine": "m",
             "cpus": list(cores), "load_average_1min": 4.5,
+            # 10 s of steady iterations: this rank ran 3 s of them; the machine 14 s (its first rank's reading)
+            "steady_cpu_s": 3.0, "steady_wall_s": 10.0, "steady_machine_busy_s": 14.0 if rank == 0 else 99.0,
             "stage_bytes": {str(s): [1e5, 2e5] for s in range(pp_rank, P * V, P)}, "p2p_bytes": 4096.0,
             "collectives": {"all_gather": [(1e4, 1e-4 + 1e4 / 1e9), (1e6, 1e-4 + 1e6 / 1e9)],
                             "reduce_scatter": [(1e4, 2e-4), (1e6, 2e-4 + 1e6 / 1e9)],
@@ -134,8 +136,9 @@ def test_host_work_per_action_lengthens_every_compute_action():
 def test_ranks_sharing_cores_take_their_cpu_time_over_the_cores():
     few = mp.predict(SCHED, machine(cpu=0.2, cores=(0, 1)))  # 4 ranks x 0.2 s of CPU on 2 cores: 0.4 s
     assert few["bound"] == "cpu" and few["step_time_s"] == pytest.approx(0.4) == few["cpu_bound_s"]
+    # Context: other processes ran 14 - 4 x 3 = 2 s of the 10 s: 0.2 cores.
     assert few["cpu_bound_machine"] == {"ranks": 4, "cores": 2, "cpu_s_per_step": pytest.approx(0.8),
-                                        "load_average_1min": 4.5}
+                                        "load_average_1min": 4.5, "other_processes_cores": pytest.approx(0.2)}
     assert few["schedule_bound_s"] < few["step_time_s"]
     many = mp.predict(SCHED, machine(cpu=0.01, cores=range(8)))
     assert many["bound"] == "schedule" and many["step_time_s"] == many["schedule_bound_s"] > many["cpu_bound_s"]
@@ -144,6 +147,15 @@ def test_ranks_sharing_cores_take_their_cpu_time_over_the_cores():
     mc.cpu_s, mc.machine_of_rank, mc.cores = [], [], {}
     gpu = mp.predict(SCHED, mc)
     assert gpu["bound"] == "schedule" and "cpu_bound_s" not in gpu and "share 2 cores" not in gpu["basis"]
+
+
+def test_other_processes_on_the_machine():
+    stats = [{"machine": "a", "steady_cpu_s": 2.0, "steady_wall_s": 4.0, "steady_machine_busy_s": 6.0},
+             {"machine": "a", "steady_cpu_s": 3.0, "steady_wall_s": 5.0, "steady_machine_busy_s": 0.0},
+             {"machine": "b", "steady_cpu_s": 1.0, "steady_wall_s": 4.0, "steady_machine_busy_s": None}]
+    assert mp.other_processes_cores(stats) == {"a": pytest.approx(0.25), "b": None}
+    stats[0]["steady_machine_busy_s"] = 4.0  # less than the ranks' own (readings a tick apart): none
+    assert mp.other_processes_cores(stats)["a"] == 0.0
 
 
 def test_split_backward_keeps_the_measured_input_gradient_share():
@@ -161,12 +173,15 @@ def test_printed_side_by_side():
     base = {"basis": "costs measured on this machine: details", "step_time_s": 0.1175, "measured_step_time_s": 0.125,
             "measured_iterations": [3, 40], "bubble": 0.221, "bound": "cpu", "schedule_bound_s": 0.0612,
             "cpu_bound_s": 0.1175,
-            "cpu_bound_machine": {"ranks": 4, "cores": 2, "cpu_s_per_step": 0.235, "load_average_1min": 4.4}}
+            "cpu_bound_machine": {"ranks": 4, "cores": 2, "cpu_s_per_step": 0.235, "load_average_1min": 4.4,
+                                  "other_processes_cores": None}}
     line = prediction_line(base, {"bubble": 0.25, "iteration": 40})
     assert line == ("predicted (costs measured on this machine): step time 117.5 ms vs measured 125.0 ms (median of "
                     "iterations 3-40), -6.0% | bubble 22.1% vs measured 25.0% (iteration 40) | bound by CPU: 4 ranks "
                     "need 235 ms of CPU per step on 2 cores (the schedule alone, one core per rank: 61.2 ms); load "
                     "average 4.4")
+    busy = {**base, "cpu_bound_machine": {**base["cpu_bound_machine"], "other_processes_cores": 0.81}}
+    assert prediction_line(busy, None).endswith("61.2 ms); other processes kept 0.8 cores busy meanwhile")
     sched = prediction_line({**base, "bound": "schedule", "step_time_s": 0.2}, None)
     assert sched.endswith("+60.0% | bubble 22.1% | bound by the schedule (the ranks' CPU time over the cores: 117.5 ms)")
     assert prediction_line({"basis": "unit costs", "bubble_fraction": 0.1}, None) is None
@@ -184,7 +199,8 @@ def test_the_report_block_from_what_the_ranks_gathered(monkeypatch):
 
     unit = {"basis": "unit costs", "bubble_fraction": 0.125, "dp_collectives": {"gather": [2, 2]}}
     monkeypatch.setattr(sim_predict, "predict_for_trainer", lambda args, times: dict(unit))
-    args = types.SimpleNamespace(data_parallel_size=D, world_size=4, tensor_model_parallel_size=1, zero_stage=3)
+    args = types.SimpleNamespace(data_parallel_size=D, world_size=4, tensor_model_parallel_size=1, zero_stage=3,
+                                 global_batch_size=16, seq_length=8)
     per_rank = [{"machine": rank_stats(r, 0.01, 0.0)} for r in range(4)]
     events = [ev(r, op, s, 0.0, t, 3) for r in range(4) for s in range(r // D, 4, P)
               for op, t in (("F", F_S), ("B", B_S), ("STEP", STEP_S))]
@@ -193,10 +209,30 @@ def test_the_report_block_from_what_the_ranks_gathered(monkeypatch):
                             calibration=[3])
     assert out["basis"].startswith("costs measured on this machine") and out["dp_collectives"] == {"gather": [2, 2]}
     assert out["measured_step_time_s"] == 0.2 and out["measured_iterations"] == [3, 5]
-    assert out["bubble_fraction"] != 0.125 and out["step_time_s"] > 0
+    assert out["bubble_fraction"] != 0.125 and out["tokens_per_s"] == pytest.approx(16 * 8 / out["step_time_s"])
     # Without the ranks' measurements (a run of warm-up iterations only): the unit-cost block as it was.
     assert report.prediction(args, times[:2], per_rank=[{"machine": None}] * 4, ran=SCHED) == unit
     # A failure of the measured path is said, not raised: the report is still written.
     broken = [{"machine": {**rank_stats(r, 0.01, 0.0), "collectives": {}}} for r in range(4)]
     out = report.prediction(args, times, per_rank=broken, events=[], ran=SCHED, calibration=[3])
     assert out["basis"] == "unit costs" and "no recorded F0" in out["measured_costs_error"]
+
+
+def test_what_a_rank_measures_of_its_machine():
+    from megatron_bfpp.train import machine
+
+    clock = machine.CpuClock()
+    for _ in range(2):
+        clock.start()
+        sum(i * i for i in range(20000))
+        clock.stop()
+    assert len(clock.process_s) == len(clock.thread_s) == len(clock.wall_s) == len(clock.machine_s) == 2
+    assert all(t >= 0 for t in clock.process_s + clock.thread_s) and all(w > 0 for w in clock.wall_s)
+    busy = machine.machine_busy_s()
+    assert busy is None or busy > 0
+    assert machine.cores_available()
+    # Pipeline pairs 0 -> 1, 2 -> 3; an odd last rank sits out.
+    assert [machine.p2p_peer(p, 3, [10, 11, 12]) for p in range(3)] == [(11, True), (10, False), (None, False)]
+    buf = types.SimpleNamespace(pbuf=types.SimpleNamespace(full_bytes=8), gbuf=types.SimpleNamespace(full_bytes=16))
+    chunks = [types.SimpleNamespace(flat_buffers=[buf, buf]), types.SimpleNamespace(flat_buffers=[buf])]
+    assert machine.stage_bytes(chunks, pp_rank=1, pp=2) == {1: [16, 32], 3: [8, 16]}
