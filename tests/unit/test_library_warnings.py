@@ -118,3 +118,19 @@ def test_every_rank_prints_as_before_when_asked(monkeypatch):
         assert logging.getLogger("bfpp_test.all").filter(_record("bfpp_test.all", logging.WARNING, "notice"))
     finally:
         lw.uninstall()
+
+
+def test_the_launchers_flag_check_prints_none_and_leaves_them_as_they_were(capfd):
+    """`bfpp train` checks the flags in its own process first: the libraries' warnings are rank 0's to print."""
+    from megatron_bfpp.train.launcher import check_flags
+
+    fmt, logger_class = warnings.formatwarning, logging.getLoggerClass()
+    argv = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
+            "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
+            "--pipeline-schedule", "gpipe"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert check_flags(argv, 1) is None
+        assert check_flags(argv + ["--hidden-size", "15"], 1) is not None
+    assert "warning:" not in capfd.readouterr().err
+    assert warnings.formatwarning is fmt and logging.getLoggerClass() is logger_class
