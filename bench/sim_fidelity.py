@@ -7,7 +7,8 @@ over the iterations after a 2-iteration warm-up, at most 8), host work per actio
 collectives from a micro-benchmark on its own groups, the simulator over the very schedule it ran, and, since
 four ranks share this machine's cores, the ranks' CPU time over the cores. This script collects each report's
 prediction and the measured step time (median of the iterations after the warm-up), and re-times the same
-measured costs with communication that cannot overlap compute (no spare core for gloo's threads).
+measured costs with communication that cannot overlap compute (no spare core for gloo's threads). Each row
+also says how many cores other processes kept busy meanwhile: they slow the run, not the prediction.
 
 Run: python bench/sim_fidelity.py [--iters 12] [--only NAME ...]   (several minutes: one trainer per config)
 """
@@ -90,7 +91,12 @@ def row(name: str, report: dict) -> dict:
             "schedule_bound_s": pred["schedule_bound_s"], "cpu_bound_s": pred.get("cpu_bound_s"),
             "bound": pred["bound"], "measured_s": measured, "measured_min_s": min(times),
             "measured_max_s": max(times), "ratio": pred["step_time_s"] / measured,
-            "ratio_no_overlap": serial["step_time_s"] / measured, "predicted_bubble": pred["bubble_fraction"]}
+            "ratio_no_overlap": serial["step_time_s"] / measured, "predicted_bubble": pred["bubble_fraction"],
+            "other_processes_cores": (pred.get("cpu_bound_machine") or {}).get("other_processes_cores")}
+
+
+def _cores(x: float | None) -> str:
+    return "?" if x is None else f"{x:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
     print(f"machine: {os.cpu_count()} cores\n")
     print("| configuration | P | V | D | M | ZeRO | predicted ms (bound) | schedule bound ms | predicted, no overlap ms "
-          "| measured ms (min-max) | predicted / measured | no overlap / measured | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| measured ms (min-max) | predicted / measured | no overlap / measured | other processes (cores) | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "failed" in r:
             print(f"| {r['config']} | trainer failed: {r['failed'][:80]} |")
@@ -131,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['predicted_s'] * 1e3:.0f} ({r['bound']}) | {r['schedule_bound_s'] * 1e3:.0f} | "
               f"{r['predicted_no_overlap_s'] * 1e3:.0f} | {r['measured_s'] * 1e3:.0f} "
               f"({r['measured_min_s'] * 1e3:.0f}-{r['measured_max_s'] * 1e3:.0f}) | {r['ratio']:.2f} | "
-              f"{r['ratio_no_overlap']:.2f} | {r['load_average_1min']:.0f} |")
+              f"{r['ratio_no_overlap']:.2f} | {_cores(r['other_processes_cores'])} | {r['load_average_1min']:.0f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
