@@ -94,6 +94,35 @@ def measured_line(measured: dict, predicted: Mapping[str, Any]) -> str:
     return line
 
 
+def prediction_line(predicted: Mapping[str, Any] | None, measured: Mapping[str, Any] | None) -> str | None:
+    """Predicted step time beside the measured one (and bubbles, and what bounds the step); None without both
+    step times."""
+    if not predicted or not all(isinstance(predicted.get(k), float) for k in ("step_time_s", "measured_step_time_s")):
+        return None
+    p, m = predicted["step_time_s"], predicted["measured_step_time_s"]
+    first, last = predicted.get("measured_iterations") or ("?", "?")
+    label = str(predicted.get("basis", "simulator")).split(":")[0]
+    line = (f"predicted ({label}): step time {p * 1e3:.1f} ms vs measured {m * 1e3:.1f} ms (median of iterations "
+            f"{first}-{last}), {p / m - 1:+.1%}")
+    if isinstance(predicted.get("bubble"), float):
+        line += f" | bubble {predicted['bubble']:.1%}"
+        if measured:
+            line += f" vs measured {measured['bubble']:.1%} (iteration {measured['iteration']})"
+    machine = predicted.get("cpu_bound_machine")
+    if predicted.get("bound") == "cpu" and machine:
+        line += (f" | bound by CPU: {machine['ranks']} ranks need {machine['cpu_s_per_step'] * 1e3:.0f} ms of CPU "
+                 f"per step on {machine['cores']} cores (the schedule alone, one core per rank: "
+                 f"{predicted['schedule_bound_s'] * 1e3:.1f} ms)")
+        if isinstance(machine.get("other_processes_cores"), float):
+            line += f"; other processes kept {machine['other_processes_cores']:.1f} cores busy meanwhile"
+        elif isinstance(machine.get("load_average_1min"), float):
+            line += f"; load average {machine['load_average_1min']:.1f}"
+    elif machine:
+        line += (f" | bound by the schedule (the ranks' CPU time over the cores: "
+                 f"{predicted['cpu_bound_s'] * 1e3:.1f} ms)")
+    return line
+
+
 def done_line(iterations: int, schedule: str, final_loss: float, tokens_per_s: float) -> str:
     return (f"done: {iterations} iterations, schedule {schedule}, final lm loss {final_loss:.4f}, "
             f"{tokens_per_s:.1f} tokens/s")

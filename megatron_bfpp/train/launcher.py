@@ -24,14 +24,17 @@ def _free_port() -> int:
 def check_flags(argv: list[str], nproc_per_node: int) -> str | None:
     """The trainer's checks on `argv` for a world of `nproc_per_node` processes, in this process (no process
     group); the error message, or None. The environment is left as it was."""
+    from . import library_warnings
     from .config import TrainerConfigError, parse_trainer_args
 
     saved = dict(os.environ)
+    library_warnings.install(None)  # rank 0 prints the libraries' warnings once it starts
     try:
         parse_trainer_args(argv, world_size=nproc_per_node, log=None)
     except TrainerConfigError as e:
         return str(e)
     finally:
+        library_warnings.uninstall()
         os.environ.clear()
         os.environ.update(saved)
     return None

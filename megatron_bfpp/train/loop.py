@@ -11,13 +11,18 @@ import argparse
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from . import report
+from . import library_warnings, report
 from .faults import FaultInjector
 from .config import TrainerConfigError, parse_trainer_args
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+    from .machine import CpuClock
 
 
 def _log(msg: str) -> None:
@@ -205,10 +210,14 @@ class Trainer:
 
     def run(self) -> dict:
         from ..runtime import ActionRecorder, last_schedule, set_recorder
+        from . import machine, measured_prediction
 
         a = self.args
-        record_iters = set(a.timeline_iterations) | {a.train_iters}
+        first = self.iteration + 1
+        calibration = measured_prediction.calibration_iterations(first, a.train_iters)
+        record_iters = set(a.timeline_iterations) | {a.train_iters} | set(calibration)
         recorder = ActionRecorder(self.rank)
+        clock = machine.CpuClock()
         set_recorder(recorder)
         tokens_per_iter = a.global_batch_size * a.seq_length
         if self.iteration >= a.train_iters and self.rank == 0:
@@ -218,11 +227,13 @@ class Trainer:
             self.iteration += 1
             recorder.enabled = self.iteration in record_iters
             recorder.iteration = self.iteration
+            clock.start()
             t0 = time.perf_counter()
             loss, ok, grad_norm = self.train_step()
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
+            clock.stop()
             self.consumed_samples += a.global_batch_size
             self.losses.append(loss)
             self.iteration_times.append(dt)
@@ -248,17 +259,39 @@ class Trainer:
         recorder.flush()  # the last iteration's step boundary, recorded by the optimizer after the schedule's flush
         if not self.losses:  # resumed at or past --train-iters
             return {}
-        per_rank = report.gather_rank_stats(self.model, self.optimizer, recorder.events, self.device, a.zero_stage)
+        sched = last_schedule()
+        calibration = [i for i in calibration if i <= self.iteration]  # --exit-interval may stop sooner
+        machine_stats = self._machine_stats(clock, calibration, first, sched) if calibration else None
+        per_rank = report.gather_rank_stats(self.model, self.optimizer, recorder.events, self.device, a.zero_stage,
+                                            machine=machine_stats)
         if self.rank != 0:
             return {}
-        sched = last_schedule()
         return report.publish_run_report(
             a, per_rank, schedule=sched.name if sched else a.pipeline_schedule,
             config=report.run_config(a, pp=self.pp, vp=self.vp, dp=self.dp, microbatches=self.num_microbatches),
-            losses=self.losses, first_iteration=self.iteration - len(self.losses) + 1,
-            skipped_iterations=self.skipped_iterations, loss_scales=self.loss_scales,
-            iteration_times=self.iteration_times, log=_log,
+            losses=self.losses, first_iteration=first, skipped_iterations=self.skipped_iterations,
+            loss_scales=self.loss_scales, iteration_times=self.iteration_times, log=_log,
+            ran=sched, calibration=calibration,
         )
+
+    def _machine_stats(self, clock: CpuClock, calibration: list[int], first: int,
+                       sched: Schedule | None) -> dict | None:
+        """This rank's measurements for the measured prediction (collective): None on every rank where a
+        profiled GPU's cost model predicts instead."""
+        from ..runtime.forward_backward import last_run_stats
+        from ..sim.predict import hardware_for_device
+        from ..schedule import Op
+        from . import machine
+
+        if hardware_for_device() is not None or sched is None:
+            return None
+        sends = sum(1 for x in sched.ranks[self.pp_rank] if x.op in (Op.SEND_F, Op.SEND_B))
+        pp_ranks = dist.get_process_group_ranks(self.ps.get_pipeline_model_parallel_group())
+        return machine.rank_stats(
+            self.model, clock=clock, iterations=calibration, first_iteration=first, pp_rank=self.pp_rank,
+            pp=self.pp, pp_ranks=pp_ranks, dp_group=self.ps.get_data_parallel_group(), dp_size=self.dp,
+            p2p_bytes=last_run_stats().get("pp_send_bytes", 0) / sends if sends else 0.0,
+            device=self._model_device())
 
     def _log_line(self, loss: float, dt: float, tokens: int, grad_norm: float | None, ok: bool) -> str:
         a = self.args
@@ -280,12 +313,21 @@ class Trainer:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    rank = int(os.environ.get("RANK", "0"))
+    library_warnings.install(rank)  # before Megatron's imports: their warnings once, on rank 0
+    try:
+        return _main(argv, rank)
+    finally:  # an in-process caller (tests) gets the warnings as they were
+        library_warnings.uninstall()
+
+
+def _main(argv: list[str], rank: int) -> int:
     try:
         args = parse_trainer_args(argv)
     except TrainerConfigError as e:  # every rank checks the same flags: the first to report prints
         from .faults import report_config_error
 
-        return report_config_error(e, int(os.environ.get("RANK", "0")))
+        return report_config_error(e, rank)
     from . import parallel
     from .faults import report_failure
 
@@ -295,7 +337,6 @@ def main(argv: list[str] | None = None) -> int:
         return report_failure(e, dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0)))
     parallel.destroy_parallel()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

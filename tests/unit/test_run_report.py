@@ -118,7 +118,7 @@ def test_trainer_publishes_in_order(tmp_path, monkeypatch):
     """The trainer's side: measured line, timeline, report, done line; the files hold what it returns."""
     from megatron_bfpp.train import report as collector
 
-    monkeypatch.setattr(collector, "prediction", lambda args, times: {"bubble_fraction": 0.25, "basis": "b"})
+    monkeypatch.setattr(collector, "prediction", lambda args, times, **_: {"bubble_fraction": 0.25, "basis": "b"})
     args = types.SimpleNamespace(global_batch_size=4, seq_length=8, train_iters=3, timeline_iterations=[],
                                  timeline=str(tmp_path / "t.json"), report_json=str(tmp_path / "r.json"))
     lines: list[str] = []
@@ -132,3 +132,22 @@ def test_trainer_publishes_in_order(tmp_path, monkeypatch):
     assert rep["predicted"]["bubble"] == pytest.approx(0.2) and rep["first_iteration"] == 2
     assert json.loads(open(args.report_json).read()) == json.loads(json.dumps(rep))
     assert {e.iteration for e in load_chrome_trace(args.timeline)} == {3}  # default: the last iteration
+
+
+def test_trainer_prints_the_predicted_step_time_beside_the_measured_one(tmp_path, monkeypatch):
+    """With a predicted step time the measured line leaves the prediction to its own line, right after it."""
+    from megatron_bfpp.train import report as collector
+
+    predicted = {"bubble_fraction": 0.25, "basis": "costs measured on this machine: ...", "step_time_s": 0.5,
+                 "measured_step_time_s": 0.4, "measured_iterations": [3, 3]}
+    monkeypatch.setattr(collector, "prediction", lambda args, times, **_: dict(predicted))
+    args = types.SimpleNamespace(global_batch_size=4, seq_length=8, train_iters=3, timeline_iterations=[],
+                                 timeline=None, report_json=None)
+    lines: list[str] = []
+    rep = collector.publish_run_report(args, per_rank_stats(), schedule="gpipe", config={"pp": 2},
+                                       losses=[2.0, 1.5, 1.0], first_iteration=1, skipped_iterations=[],
+                                       loss_scales=[1.0] * 3, iteration_times=[1.0, 0.5, 0.4], log=lines.append)
+    assert lines[:2] == [measured_line(rep["measured"], {}),
+                         "predicted (costs measured on this machine): step time 500.0 ms vs measured 400.0 ms "
+                         "(median of iterations 3-3), +25.0% | bubble 20.0% vs measured 44.0% (iteration 3)"]
+    assert lines[2].startswith("done: 3 iterations")
