@@ -116,9 +116,12 @@ def cuda_check(torch) -> dict:
         check["available"] = bool(torch.cuda.is_available())
         check["device_count"] = int(torch.cuda.device_count())
         if check["available"]:
-            torch.zeros(1, device="cuda").add_(1)
+            # cudaMemGetInfo needs the device's context: this opens it (and fails as a second context would).
+            free, total = torch.cuda.mem_get_info()
             torch.cuda.synchronize()
             check["context"] = "opened"
+            check["memory_free_gib"] = round(free / 2**30, 2)
+            check["memory_total_gib"] = round(total / 2**30, 2)
         else:
             torch.cuda.init()  # raises with torch's reason (no CUDA build, no driver, no device)
     except Exception as e:
