@@ -32,7 +32,7 @@ BASE = ("--num-layers 4 --hidden-size 16 --num-attention-heads 2 --seq-length 16
         f"--mock-data --pipeline-model-parallel-size {P} --num-layers-per-virtual-pipeline-stage 1 "
         "--pipeline-schedule breadth-first --zero-stage 3 --log-interval 100").split()
 MUTATIONS = (None, "lazy-gather", "late-reduce", "blocking")
-DELAY = 0.03  # seconds the second data-parallel replica waits before launching each collective
+DELAY = 0.1  # seconds the second replica waits before each collective: longer than a busy 2-core machine stalls a rank
 
 
 def _worker(rank: int, world: int) -> list:
