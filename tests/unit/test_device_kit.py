@@ -495,7 +495,7 @@ Traceback (most recent call last):
     main()
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
 ============================================================
-/work/scripts/shared_gpu_rank.sh FAILED
+/opt/megatron_bfpp/scripts/shared_gpu_rank.sh FAILED
 ------------------------------------------------------------
 Failures:
   <NO_OTHER_FAILURES>
@@ -517,7 +517,7 @@ TRUNCATED = """\
 [2026-01-01 10:00:04] h100:1001:1077 [0] transport/net_socket.cc:565 NCCL WARN NET/Socket : peer 127.0.0.1<41234> message truncated : receiving 1048576 bytes instead of 524288. If you believe your socket network is in a healthy state, there may be a mismatch in collective sizes or environment settings (e.g. NCCL_PROTO, NCCL_ALGO) between ranks
 h100:1001:1077 [0] NCCL INFO transport/net.cc:1400 -> 3
 [rank0]: Traceback (most recent call last):
-[rank0]:   File "/work/megatron_bfpp/runtime/p2p.py", line 190, in post
+[rank0]:   File "/opt/megatron_bfpp/megatron_bfpp/runtime/p2p.py", line 190, in post
 [rank0]:     work.wait()
 [rank0]: torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:2150, remote process exited or there was a network error, NCCL version 2.28.9
 [rank0]: ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.
@@ -528,12 +528,12 @@ h100:1001:1077 [0] NCCL INFO transport/net.cc:1400 -> 3
 # One rank's own error; the other rank, whose peer died, raises DistBackendError in the same iteration.
 CRASH_ON_ONE_RANK = """\
 [rank1]: Traceback (most recent call last):
-[rank1]:   File "/work/megatron_bfpp/runtime/engine.py", line 300, in run_action
+[rank1]:   File "/opt/megatron_bfpp/megatron_bfpp/runtime/engine.py", line 300, in run_action
 [rank1]:     assert buffer.shape == expected, (buffer.shape, expected)
 [rank1]: AssertionError: (torch.Size([1, 32, 64]), torch.Size([1, 16, 64]))
 [2026-01-01 10:00:04] h100:1002:1080 [0] misc/socket.cc:71 NCCL WARN socketProgress: Connection closed by remote peer h100<41234>
 [rank0]: Traceback (most recent call last):
-[rank0]:   File "/work/megatron_bfpp/runtime/p2p.py", line 190, in post
+[rank0]:   File "/opt/megatron_bfpp/megatron_bfpp/runtime/p2p.py", line 190, in post
 [rank0]: torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:2150, remote process exited or there was a network error, NCCL version 2.28.9
 [rank0]: ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.
 [rank0]: Last error:
@@ -611,9 +611,9 @@ def test_a_leg_runs_zero_collectives_on_two_data_parallel_ranks(tmp_path) -> Non
         assert len(legs) == 1 and _flag(legs[0].flags, "--zero-stage") == "3"
 
 
-def test_default_output_folder_is_out_when_set(monkeypatch) -> None:
-    monkeypatch.setenv("OUT", "/tmp/device-out")
-    assert run.default_out() == Path("/tmp/device-out")
+def test_default_output_folder_is_out_when_set(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("OUT", str(tmp_path / "device-out"))
+    assert run.default_out() == tmp_path / "device-out"
     monkeypatch.delenv("OUT")
     assert run.default_out() == ROOT / "runs" / "device_check"
 
