@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_bfpp.megatron.sim_flags import read_run
-from megatron_bfpp.sim import get_hardware, predict
+from megatron_bfpp.sim import Config, get_hardware, predict
 from megatron_bfpp.sim.model import ModelProfile
 
 DATA = Path(__file__).resolve().parent / "data" / "published_runs.json"
@@ -47,14 +47,11 @@ class Result:
         return None if self.predicted_s is None else self.predicted_s / self.published_s
 
 
-def _flag(flags: list[str], name: str) -> str | None:
-    return flags[flags.index(name) + 1] if name in flags else None
-
-
-def published_step_s(row: dict, model: ModelProfile, tp: int) -> float:
-    """The published figure as seconds per step, counted as its source counts."""
-    pub, flags, n = row["published"], row["megatron_args"], row["gpus"]
-    gbs, s = int(_flag(flags, "--global-batch-size")), model.seq_length
+def published_step_s(row: dict, model: ModelProfile, cfg: Config) -> float:
+    """The published figure as seconds per step, counted as its source counts (at the run's configuration, as
+    Megatron's parser read it)."""
+    pub, n, tp = row["published"], row["gpus"], cfg.tp
+    gbs, s = cfg.global_batch_size, model.seq_length
     metric, value = pub["metric"], float(pub["value"])
     if metric == "iteration_time_s":
         return value
@@ -85,7 +82,7 @@ def evaluate(row: dict) -> Result:
     layout = (f"T{cfg.tp} P{cfg.pp} V{cfg.vp} CP{cfg.cp} EP{cfg.ep} D{cfg.dp} b{cfg.micro_batch_size} "
               f"M{cfg.microbatches}")
     pred = predict(model, hw, cfg)
-    return Result(row, published_step_s(row, model, cfg.tp), pred.step_time_s, layout)
+    return Result(row, published_step_s(row, model, cfg), pred.step_time_s, layout)
 
 
 def summary(results: list[Result]) -> dict:

@@ -504,11 +504,7 @@ def memory_breakdown(part: Partition, cfg: Config, rank: int, activations: float
     if cfg.fp8 is not None:
         # TransformerEngine keeps each FP8 layer's quantized weight (and on Hopper its transpose) from micro-batch 0
         # to the end of the step, through ZeRO-3's releases: about 2 bytes per decoder-layer parameter.
-        layers = sum(part.stage_params(s) for s in stages) - sum(
-            part.model.embedding_params(part.tp) / part.tp for s in stages if part.stage(s).first) - sum(
-            part.model.head_params(part.tp, pipelined=part.num_stages > 1) / part.tp for s in stages
-            if part.stage(s).last)
-        mem["fp8_weight_copies"] = FP8_WEIGHT_COPY_BYTES * layers
+        mem["fp8_weight_copies"] = FP8_WEIGHT_COPY_BYTES * sum(part.stage_layer_params(s) for s in stages)
     mem["activations"] = activations
     mem["working"] = max(part.working_bytes(s, cfg.micro_batch_size) for s in stages)
     mem["total"] = sum(mem.values())

@@ -68,11 +68,8 @@ class Hardware:
 
     def gemm_flops(self, fp8: bool = False) -> float:
         """Achieved FLOP/s of a large GEMM in bf16 or FP8 inside a training layer."""
-        if not fp8:
-            return self.peak_flops * self.gemm_efficiency * self.in_layer_fraction
-        if self.peak_flops_fp8 is None:
-            raise ValueError(f"--fp8-format: {self.name} has no FP8 tensor cores; drop the FP8 flags")
-        return self.peak_flops_fp8 * self.fp8_gemm_efficiency * self.in_layer_fraction
+        efficiency = self.fp8_gemm_efficiency if fp8 else self.gemm_efficiency
+        return self.dense_peak(fp8) * efficiency * self.in_layer_fraction
 
     def attention_flops(self, backward: bool = False) -> float:
         """Achieved FLOP/s of causal flash attention inside a training layer."""

@@ -53,16 +53,16 @@ FLASH_BACKWARD_FLOPS = 2.5  # flash attention's backward runs 5 matmuls to the f
 GEMM_TILE = (256, 128)  # output tile of cuBLAS's large tensor-core kernels (NVIDIA, "Matrix Multiplication Background")
 
 
-def wave_efficiency(hw: Hardware, m: float, n: float, groups: int = 1) -> float:
-    """Fraction of the SMs' time doing useful work when the m x n output (of each of `groups` problems) is cut into
+def wave_efficiency(hw: Hardware, m: float, n: float) -> float:
+    """Fraction of the SMs' time doing useful work when the m x n output is cut into
     256 x 128 tiles that run in waves of one tile per SM: the last wave is partial ("wave quantization", NVIDIA Deep
     Learning Performance Guide, Matrix Multiplication Background). The better of the two orientations."""
     if hw.sm_count <= 0:
         return 1.0
     best = 0.0
     for a, b in ((m, n), (n, m)):
-        tiles = groups * math.ceil(a / GEMM_TILE[0]) * math.ceil(b / GEMM_TILE[1])
-        useful = groups * a * b / (GEMM_TILE[0] * GEMM_TILE[1])  # tiles at the edges are partly empty
+        tiles = math.ceil(a / GEMM_TILE[0]) * math.ceil(b / GEMM_TILE[1])
+        useful = a * b / (GEMM_TILE[0] * GEMM_TILE[1])  # tiles at the edges are partly empty
         waves = math.ceil(tiles / hw.sm_count)
         best = max(best, useful / (waves * hw.sm_count))
     return min(1.0, best)
@@ -80,7 +80,7 @@ def gemm_time(hw: Hardware, m: float, k: float, n: float, count: int = 1, fp8: b
     return count * (t + hw.kernel_overhead_s)
 
 
-def grouped_gemm_time(hw: Hardware, groups: int, m: float, k: float, n: float, fp8: bool = False) -> float:
+def grouped_gemm_time(hw: Hardware, groups: float, m: float, k: float, n: float, fp8: bool = False) -> float:
     """One grouped GEMM kernel over `groups` problems of m x k x n each (the experts of a GPU): every group's
     weights are read whatever its token count, so few tokens per expert make it memory-bound."""
     if groups <= 0 or m <= 0:
@@ -218,7 +218,7 @@ def layer_ops(hw: Hardware, part: Partition, b: int, layer: int = 0) -> OpTimes:
     else:  # scores and context as batched GEMMs over the full s x s, softmax and dropout streaming the scores
         batches = b * heads
         sq = s / part.cp
-        gemms = 2 * batches * (gemm_time(hw, sq, m.head_dim, s) - hw.kernel_overhead_s) + 2 * hw.kernel_overhead_s
+        gemms = 2 * grouped_gemm_time(hw, batches, sq, m.head_dim, s)  # scores and context, one kernel each
         scores = batches * sq * s
         drop = m.attention_dropout > 0
         fwd = gemms + stream_time(hw, scores * (4 + (5 if drop else 0)), 2 if drop else 1)
@@ -345,7 +345,7 @@ def measured_profile(base: Hardware, layer_report: dict, model: ModelProfile) ->
     attn = model.core_attention_flops(b) / 2  # causal
     part = Partition(model, 1, 1, 1)
     modelled = layer_ops(base, part, b)
-    elementwise_s = sum(modelled.fwd.get(op, 0.0) + modelled.bwd.get(op, 0.0) for op in ("elementwise",))
+    elementwise_s = modelled.fwd.get("elementwise", 0.0) + modelled.bwd.get("elementwise", 0.0)
     measured_rest = (rows["elementwise"]["fwd_measured_ms"] + rows["elementwise"]["bwd_measured_ms"]) / 1e3
     memory = base.memory_bw * elementwise_s / measured_rest if measured_rest > 0 else base.memory_bw
     return base.replace(

@@ -354,7 +354,8 @@ class Partition:
     tp_comm_overlap: bool = False  # --tp-comm-overlap (TransformerEngine userbuffers)
     moe_a2a_overlap: bool = False  # --overlap-moe-expert-parallel-comm
     layer_counts: tuple[int, ...] = field(init=False, repr=False, compare=False)
-    _params: tuple[tuple[float, float], ...] = field(init=False, repr=False, compare=False)  # (all, experts)
+    # Per stage, parameters on one GPU: (all, routed experts, decoder layers)
+    _params: tuple[tuple[float, float, float], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         m = self.model
@@ -376,8 +377,8 @@ class Partition:
             raise ValueError(f"--fp8-recipe {self.fp8!r}: one of {FP8_RECIPES}")
         object.__setattr__(self, "_params", tuple(self._count_params(s) for s in range(self.num_stages)))
 
-    def _count_params(self, s: int) -> tuple[float, float]:
-        """(all, routed-expert) parameters of stage s on one GPU; computed once per partition."""
+    def _count_params(self, s: int) -> tuple[float, float, float]:
+        """(all, routed-expert, decoder-layer) parameters of stage s on one GPU; computed once per partition."""
         m, st = self.model, self.stage(s)
         per_kind: dict[bool, tuple[float, float]] = {}
         total = experts = 0.0
@@ -387,11 +388,12 @@ class Partition:
                 e = m.layer_expert_params(i) / (self.ep * self.expert_tp)
                 per_kind[moe] = (m.layer_dense_params(i) / self.tp + e, e)
             total, experts = total + per_kind[moe][0], experts + per_kind[moe][1]
+        layers = total
         if st.first:
             total += m.embedding_params(self.tp) / self.tp
         if st.last:
             total += m.head_params(self.tp, pipelined=self.num_stages > 1 and not st.first) / self.tp
-        return total, experts
+        return total, experts, layers
 
     @property
     def expert_tp(self) -> int:
@@ -435,6 +437,10 @@ class Partition:
     def stage_params(self, s: int) -> float:
         """Parameters of stage s held by one GPU (tensor- and expert-parallel shard)."""
         return self._params[s][0]
+
+    def stage_layer_params(self, s: int) -> float:
+        """Parameters of stage s's decoder layers on one GPU (no embedding, output layer or final norm)."""
+        return self._params[s][2]
 
     def rank_params(self, rank: int) -> float:
         return sum(self.stage_params(rank + c * self.pp) for c in range(self.vp))

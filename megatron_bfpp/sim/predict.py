@@ -19,7 +19,7 @@ from .model import ModelProfile, StageSplit
 def check_config(model: ModelProfile, hw: Hardware, cfg: Config) -> None:
     """Raise ValueError (one line, naming the flag) for a configuration that cannot run."""
     cfg.placement(hw)
-    part = cfg.partition(model)
+    cfg.partition(model)
     if cfg.fp8 is not None:
         hw.gemm_flops(fp8=True)  # refused where the hardware has no FP8 tensor cores
     if model.is_moe and cfg.tp > 1 and not cfg.sequence_parallel:
@@ -29,7 +29,6 @@ def check_config(model: ModelProfile, hw: Hardware, cfg: Config) -> None:
         raise ValueError("--overlap-moe-expert-parallel-comm needs an MoE model with --expert-model-parallel-size > 1")
     if cfg.recompute_num_layers is not None and not cfg.recompute:
         raise ValueError("--recompute-num-layers applies to full recomputation (--recompute-granularity full)")
-    del part
     if cfg.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"--zero-stage must be 0, 1, 2 or 3 (got {cfg.zero_stage})")
     try:
