@@ -21,10 +21,9 @@ from ..schedule import SCHEDULE_NAMES
 from ..sim.costs import Config
 from ..sim.hardware import PROFILES, Hardware, get_hardware
 from ..sim.layer_costs import measured_profile
-from ..sim.model import ModelProfile, get_model
-from ..sim.predict import config_dict
+from ..sim.model import resolve_model
 from ..sim.planner import STOCK_FALLBACK_RULE, ZERO_STAGES, PlanResult, plan, stock_schedule
-from ..sim.predict import predict
+from ..sim.predict import config_dict, predict
 from .plan_flags import SearchOptions, read_plan
 from .presets import preset_flags, preset_names
 from .sim_flags import launch_flags, read_run
@@ -59,13 +58,7 @@ def hardware(opts: argparse.Namespace) -> Hardware:
         report = json.loads(Path(opts.hardware_report).read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"--hardware-report {opts.hardware_report}: {e}") from None
-    spec = str(report.get("model", ""))
-    if spec.count(":") == 2:  # the device kit's small shapes, HIDDEN:HEADS:SEQ
-        h, heads, seq = (int(x) for x in spec.split(":"))
-        measured = ModelProfile(spec, 1, h, heads, seq)
-    else:
-        measured = get_model(spec)
-    return measured_profile(base, report, measured)
+    return measured_profile(base, report, resolve_model(str(report.get("model", ""))))
 
 
 def simulate_parser() -> argparse.ArgumentParser:

@@ -248,6 +248,14 @@ def get_model(name: str) -> ModelProfile:
         raise ValueError(f"unknown --model {name!r}: choose one of {', '.join(MODELS)}") from None
 
 
+def resolve_model(spec: str) -> ModelProfile:
+    """A model by name (gpt-52b, ...) or a one-layer shape `HIDDEN:HEADS:SEQ` (the device kit's small layers)."""
+    if spec.count(":") == 2:
+        h, heads, seq = (int(x) for x in spec.split(":"))
+        return ModelProfile(spec, 1, h, heads, seq)
+    return get_model(spec)
+
+
 @dataclass(frozen=True)
 class StageShape:
     """What one pipeline stage holds, per GPU (after tensor parallelism)."""

@@ -7,22 +7,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from megatron_bfpp.sim.model import ModelProfile
+from megatron_bfpp.sim.model import resolve_model
 
 OPS = ("qkv", "proj", "fc1", "fc2", "attention", "elementwise", "layer")
-
-
-def resolve_model(spec: str) -> ModelProfile:
-    """A simulator model by name (gpt-52b, ...) or a shape `HIDDEN:HEADS:SEQ` (small smoke runs)."""
-    from megatron_bfpp.sim.model import ModelProfile, get_model
-
-    if spec.count(":") == 2:
-        h, heads, seq = (int(x) for x in spec.split(":"))
-        return ModelProfile(spec, 1, h, heads, seq)
-    return get_model(spec)
 
 
 def simulated_ops(model_name: str, hardware: str, micro_batch_size: int) -> dict[str, dict[str, float]]:
