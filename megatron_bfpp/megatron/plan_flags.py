@@ -69,6 +69,26 @@ class PlanInputs:
     global_batch: int
     space: SearchSpace
     notes: list[str] = field(default_factory=list)
+    # The flags every candidate keeps (model, precision, features): a candidate launches as `pretrain_gpt.py
+    # base_flags + sim_flags.launch_flags(candidate)`.
+    base_flags: list[str] = field(default_factory=list)
+
+
+# What a candidate's launch flags (`sim_flags.launch_flags`) set: dropped from the plan's flags to give the flags
+# every candidate keeps. Flags taking a value, then switches.
+CANDIDATE_VALUE_FLAGS = (*SIZE_FLAGS, "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                         "--pipeline-schedule", "--zero-stage", "--global-batch-size", "--recompute-granularity",
+                         "--recompute-method", "--recompute-num-layers", "--bfpp-weight-buffers",
+                         "--bfpp-grad-buffers", "--microbatch-group-size-per-virtual-pipeline-stage")
+CANDIDATE_SWITCHES = (*MEGATRON_DP_FLAGS, "--account-for-embedding-in-pipeline-split",
+                      "--account-for-loss-in-pipeline-split", "--overlap-param-gather-with-optimizer-step")
+
+
+def base_flags(flags: Sequence[str]) -> list[str]:
+    """`flags` without those a candidate's launch flags set (sizes, split, schedule, sharding, batch, recomputation,
+    data-parallel overlaps)."""
+    _, rest = take(flags, CANDIDATE_VALUE_FLAGS)
+    return [f for f in rest if f.partition("=")[0] not in CANDIDATE_SWITCHES]
 
 
 def take(flags: Sequence[str], names: Sequence[str]) -> tuple[dict[str, list[str]], list[str]]:
@@ -162,7 +182,7 @@ def read_plan(flags: Sequence[str], gpus: int, hw: Hardware, options: SearchOpti
                         "Megatron-LM sets V of an uneven split with --num-virtual-stages-per-pipeline-rank; use it")
     if options.stock:
         space = _stock(space, found, given, options)
-    return PlanInputs(model, global_batch, space, notes)
+    return PlanInputs(model, global_batch, space, notes, base_flags(flags))
 
 
 def _experts(space: SearchSpace, model: ModelProfile, args, notes: list[str]) -> SearchSpace:

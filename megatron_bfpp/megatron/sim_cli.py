@@ -186,9 +186,10 @@ def _plan(argv: list[str]) -> int:
     res = plan(model, hw, opts.gpus, inputs.global_batch, inputs.space, opts.top)
     res.notes += inputs.notes
     if opts.json:
-        d = res.to_dict()
+        # A candidate launches as pretrain_gpt.py <megatron_base_args> <its megatron_args> (+ data and output).
+        d = {"megatron_base_args": inputs.base_flags, **res.to_dict()}
         for cand, p in zip(d["candidates"], res.candidates):
-            cand["flags"] = launch_flags(p.config, model)
+            cand["megatron_args"] = launch_flags(p.config, model)
         print(json.dumps(d, indent=2))
         return 0 if res.candidates else 1
     _print_plan(res, model.name, opts.gpus, hw.name, inputs.global_batch, model)

@@ -347,8 +347,14 @@ def launch_flags(cfg: Config, model: ModelProfile) -> list[str]:
     """The `pretrain_gpt.py` flags that launch `cfg`'s layout, schedule, data parallelism and recomputation (to add
     to the model's and features' flags): what `bfpp plan` searched, written as Megatron-LM and the plugin read it."""
     out = ["--tensor-model-parallel-size", str(cfg.tp), "--pipeline-model-parallel-size", str(cfg.pp)]
+    split = cfg.split
+    for flag, count in (("--decoder-first-pipeline-num-layers", split.first_pipeline_num_layers),
+                        ("--decoder-last-pipeline-num-layers", split.last_pipeline_num_layers)):
+        if count is not None:
+            out += [flag, str(count)]
+    out += [flag for flag, on in (("--account-for-embedding-in-pipeline-split", split.account_for_embedding),
+                                  ("--account-for-loss-in-pipeline-split", split.account_for_loss)) if on]
     if cfg.vp > 1:
-        split = cfg.split
         if split.first_pipeline_num_layers is not None or split.last_pipeline_num_layers is not None:
             out += ["--num-virtual-stages-per-pipeline-rank", str(cfg.vp)]
         else:
@@ -380,4 +386,6 @@ def launch_flags(cfg: Config, model: ModelProfile) -> list[str]:
         out += ["--recompute-granularity", "full"] + (
             ["--recompute-method", "block", "--recompute-num-layers", str(cfg.recompute_num_layers)]
             if cfg.recompute_num_layers is not None else ["--recompute-method", "uniform", "--recompute-num-layers", "1"])
+    elif cfg.selective_recompute:
+        out += ["--recompute-granularity", "selective"]
     return out

@@ -192,10 +192,14 @@ def test_plan_json_keeps_its_fields_and_gives_the_launch_flags(capsys: pytest.Ca
         assert keys <= set(c["config"]) and {"tflops_per_gpu", "step_time_s", "peak_memory_gib", "fits", "mfu"} <= set(c)
         assert c["config"]["pipeline_schedule"] == "breadth-first" and c["config"]["zero_stage"] == 3 and c["fits"]
     assert [c["tflops_per_gpu"] for c in cands] == sorted((c["tflops_per_gpu"] for c in cands), reverse=True)
-    # The best candidate's launch flags, given to simulate, predict the same step.
-    code, sim = _json(capsys, simulate_main, ["--model", "gpt-1.3b", "--hardware", "h200", "--gpus", "16", "--json",
-                                              "--", *cands[0]["flags"]])
+    # The best candidate's launch flags (the plan's base flags, the preset's included, and the candidate's), given
+    # to simulate, predict the same step; and Megatron-LM with the plugin accepts them on that many ranks.
+    argv = [*d["megatron_base_args"], *cands[0]["megatron_args"]]
+    code, sim = _json(capsys, simulate_main, ["--hardware", "h200", "--gpus", "16", "--json", "--", *argv])
     assert code == 0 and sim["step_time_s"] == pytest.approx(cands[0]["step_time_s"], rel=1e-9)
+    from megatron_bfpp.megatron.check import check
+
+    assert check(argv, 16).schedule.kind == "breadth-first"
 
 
 def test_plan_for_a_model_no_preset_names(capsys: pytest.CaptureFixture) -> None:
