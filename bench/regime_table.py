@@ -24,7 +24,7 @@ from pathlib import Path
 from megatron_bfpp.sim import STOCK, SearchSpace, analytic_costs, get_hardware, get_model, plan, step_lower_bound_s
 from megatron_bfpp.sim.hardware import Hardware
 from megatron_bfpp.sim.model import ModelProfile
-from megatron_bfpp.sim.planner import enumerate_configs, stock_schedule, unfit_reason
+from megatron_bfpp.sim.planner import enumerate_configs, smallest_lower_bound, stock_schedule
 from megatron_bfpp.sim.costs import Config
 from megatron_bfpp.sim.predict import Prediction, schedule_for
 
@@ -42,24 +42,10 @@ FIELDS = ["batch_per_gpu", "global_batch_size", "stock_can_interleave", "ratio",
         "optimizer_exposed_s", "optimizer_in_schedule")] + ["stock_at_ours_layout"]
 
 
-def smallest_lower_bound(model: ModelProfile, hw: Hardware, gpus: int, batch: int) -> tuple[float, Config]:
-    """The smallest `step_lower_bound_s` over every configuration searched for ours that fits in memory (every
-    schedule kind, T, P, V, D, b, ZeRO stage, recomputation): no layout and no order of its stages steps
-    faster under the cost model."""
-    best: tuple[float, Config] | None = None
-    for cfg in enumerate_configs(model, hw, gpus, batch, SearchSpace())[0]:
-        if unfit_reason(model, hw, cfg) is not None:
-            continue
-        bound = step_lower_bound_s(schedule_for(cfg), analytic_costs(hw, cfg.partition(model), cfg))
-        if best is None or bound < best[0]:
-            best = (bound, cfg)
-    if best is None:
-        raise SystemExit(f"nothing fits at global batch {batch}")
-    return best
-
-
-def regime_rows(model: ModelProfile, hw: Hardware, gpus: int, betas: list[Fraction]) -> list[dict]:
-    """One row per batch per GPU: the best plan of each side, their ratio (ours / stock) and what stock runs."""
+def regime_rows(model: ModelProfile, hw: Hardware, gpus: int, betas: list[Fraction],
+                sides: dict[str, SearchSpace] = SIDES) -> list[dict]:
+    """One row per batch per GPU: the best plan of each side (`sides`: ours and stock), their ratio (ours / stock)
+    and what stock runs."""
     rows = []
     for beta in betas:
         batch = beta * gpus
@@ -67,7 +53,7 @@ def regime_rows(model: ModelProfile, hw: Hardware, gpus: int, betas: list[Fracti
             raise SystemExit(f"--batch-per-gpu {beta} x --gpus {gpus} is not a whole global batch")
         row: dict = {"batch_per_gpu": str(beta), "global_batch_size": int(batch)}
         best: dict[str, Prediction | None] = {}
-        for side, space in SIDES.items():
+        for side, space in sides.items():
             res = plan(model, hw, gpus, int(batch), space, top=1)
             best[side] = res.candidates[0] if res.candidates else None
             if best[side] is not None:
@@ -86,13 +72,17 @@ def regime_rows(model: ModelProfile, hw: Hardware, gpus: int, betas: list[Fracti
         # The most any order of ours' stages could give against stock's plan (`step_lower_bound_s`), and the
         # most any layout searched and any order of its stages could.
         row["ratio_at_ours_bound"] = stock.step_time_s / ours.step_lower_bound_s if ours and stock else None
-        bound, c = smallest_lower_bound(model, hw, gpus, int(batch))
+        found = smallest_lower_bound(model, hw, gpus, int(batch), sides["ours"])
+        if found is None:
+            raise SystemExit(f"nothing fits at global batch {batch}")
+        bound, c = found
         row["any_bound_s"] = bound
         row["ratio_at_any_bound"] = stock.step_time_s / bound if stock else None
         row["any_bound_layout"] = (f"{c.schedule}, T/P/V/D = {c.tp}/{c.pp}/{c.vp}/{c.dp}, "
                                    f"b x M = {c.micro_batch_size} x {c.microbatches}")
         # Whether any layout of this batch lets stock interleave at all (M >= P with V >= 2 stages per rank).
-        row["stock_can_interleave"] = any(c.vp >= 2 for c in enumerate_configs(model, hw, gpus, int(batch), STOCK)[0])
+        row["stock_can_interleave"] = any(c.vp >= 2 for c in enumerate_configs(model, hw, gpus, int(batch),
+                                                                            sides["stock"])[0])
         if ours:
             c = ours.config
             kind, vp = stock_schedule(c.pp, c.vp, c.microbatches)

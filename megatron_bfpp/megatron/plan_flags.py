@@ -23,6 +23,7 @@ from typing import Sequence
 
 from ..schedule import SCHEDULE_NAMES
 from ..sim.hardware import Hardware
+from ..sim.layouts import parse_layout
 from ..sim.model import ModelProfile, StageSplit
 from ..sim.planner import STOCK_SCHEDULES, STOCK_ZERO_STAGE, ZERO_STAGES, SearchSpace, stock_space
 from .sim_flags import FlagError, check_dispatcher, given_flags, layer_settings, model_profile, parse_flags, \
@@ -40,7 +41,7 @@ SIZE_FLAGS = {
 }
 # Read by the plan itself, not at the parse's T = P = 1: one value each.
 SINGLE_FLAGS = ("--expert-tensor-parallel-size", "--decoder-first-pipeline-num-layers",
-                "--decoder-last-pipeline-num-layers")
+                "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout")
 MEGATRON_DP_FLAGS = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
 # Plan searches these itself.
 SEARCHED_FLAGS = {
@@ -61,6 +62,7 @@ class SearchOptions:
     max_microbatches: int = 256
     split_backward_w: str = "wgrad-only"
     stock: bool = False
+    layout_search: bool = True  # free layouts beside Megatron's default split (SearchSpace.search_layouts)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class PlanInputs:
 # What a candidate's launch flags (`sim_flags.launch_flags`) set: dropped from the plan's flags to give the flags
 # every candidate keeps. Flags taking a value, then switches.
 CANDIDATE_VALUE_FLAGS = (*SIZE_FLAGS, "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                         "--pipeline-model-parallel-layout",
                          "--pipeline-schedule", "--zero-stage", "--global-batch-size", "--recompute-granularity",
                          "--recompute-method", "--recompute-num-layers", "--bfpp-weight-buffers",
                          "--bfpp-grad-buffers", "--microbatch-group-size-per-virtual-pipeline-stage")
@@ -160,15 +163,12 @@ def read_plan(flags: Sequence[str], gpus: int, hw: Hardware, options: SearchOpti
     model = model_profile(args, name)
     settings = layer_settings(args, given)
     settings["etp"] = _single("--expert-tensor-parallel-size", found.get("--expert-tensor-parallel-size"))
-    split = StageSplit(_single("--decoder-first-pipeline-num-layers", found.get("--decoder-first-pipeline-num-layers")),
-                       _single("--decoder-last-pipeline-num-layers", found.get("--decoder-last-pipeline-num-layers")),
-                       bool(args.account_for_embedding_in_pipeline_split),
-                       bool(args.account_for_loss_in_pipeline_split))
+    split = _split(found, args)
     notes: list[str] = []
     space = SearchSpace(
         max_microbatches=options.max_microbatches, search_group_size=options.group_size_search,
         w_reruns_input_grad=options.split_backward_w == "rerun-dgrad",
-        w_at_input_grad=options.split_backward_w == "at-i", split=split,
+        w_at_input_grad=options.split_backward_w == "at-i", split=split, search_layouts=options.layout_search,
         p2p_overlap="--no-overlap-p2p-communication" not in given,
         weight_buffers=args.bfpp_weight_buffers or 2, grad_buffers=args.bfpp_grad_buffers or 2,
         **settings, **restrict,
@@ -183,6 +183,29 @@ def read_plan(flags: Sequence[str], gpus: int, hw: Hardware, options: SearchOpti
     if options.stock:
         space = _stock(space, found, given, options)
     return PlanInputs(model, global_batch, space, notes, base_flags(flags))
+
+
+def _split(found: dict[str, list[str]], args) -> StageSplit:
+    """The split every candidate keeps: a fixed --pipeline-model-parallel-layout (P then divides its stages), the
+    uneven-split flags, or Megatron's default (the search then also tries free layouts)."""
+    layouts = found.get("--pipeline-model-parallel-layout")
+    if layouts:
+        if len(set(layouts)) > 1:
+            raise FlagError("--pipeline-model-parallel-layout given twice: plan keeps it fixed; give one (or none, "
+                            "and plan searches layouts)")
+        try:
+            return StageSplit(layout=parse_layout(layouts[0]), account_for_embedding=bool(
+                args.account_for_embedding_in_pipeline_split), account_for_loss=bool(
+                args.account_for_loss_in_pipeline_split), first_pipeline_num_layers=_single(
+                "--decoder-first-pipeline-num-layers", found.get("--decoder-first-pipeline-num-layers")),
+                last_pipeline_num_layers=_single("--decoder-last-pipeline-num-layers",
+                                                 found.get("--decoder-last-pipeline-num-layers")))
+        except ValueError as e:
+            raise FlagError(str(e)) from None
+    return StageSplit(_single("--decoder-first-pipeline-num-layers", found.get("--decoder-first-pipeline-num-layers")),
+                      _single("--decoder-last-pipeline-num-layers", found.get("--decoder-last-pipeline-num-layers")),
+                      bool(args.account_for_embedding_in_pipeline_split),
+                      bool(args.account_for_loss_in_pipeline_split))
 
 
 def _experts(space: SearchSpace, model: ModelProfile, args, notes: list[str]) -> SearchSpace:

@@ -87,6 +87,10 @@ def plan_parser() -> argparse.ArgumentParser:
                         "(default: search both)")
     p.add_argument("--group-size-search", choices=("on", "off"), default="on",
                    help="search micro-batch group sizes (off: P for interleaved, M for breadth-first)")
+    p.add_argument("--layout-search", choices=("on", "off"), default="on",
+                   help="beside Megatron's default split, try free stage layouts (--pipeline-model-parallel-layout) "
+                        "that give the ranks holding the embedding and the output layer fewer layers, at any P and V "
+                        "(default on; off: equal stages only, as without the flag)")
     p.add_argument("--max-microbatches", type=int, default=256, help="largest M simulated (default 256)")
     p.add_argument("--top", type=int, default=5, help="candidates to return (default 5)")
     p.add_argument("--stock", action="store_true",
@@ -180,7 +184,8 @@ def _plan(argv: list[str]) -> int:
     options = SearchOptions(
         schedules=tuple(opts.pipeline_schedule or ()), zero_stages=tuple(opts.zero_stage or ()),
         recompute=opts.recompute, group_size_search=opts.group_size_search == "on",
-        max_microbatches=opts.max_microbatches, split_backward_w=opts.split_backward_w, stock=opts.stock)
+        max_microbatches=opts.max_microbatches, split_backward_w=opts.split_backward_w, stock=opts.stock,
+        layout_search=opts.layout_search == "on")
     inputs = read_plan(flags, opts.gpus, hw, options, opts.model)
     model = inputs.model
     res = plan(model, hw, opts.gpus, inputs.global_batch, inputs.space, opts.top)
@@ -203,17 +208,20 @@ def _print_plan(res: PlanResult, name: str, gpus: int, hw: str, global_batch: in
           f"{res.searched} configurations, {res.simulated} simulated")
     wide = any(p.config.cp > 1 or p.config.ep > 1 for p in res.candidates)
     if res.candidates:
-        print(f"  {'#':>2} {'TFLOP/s':>8} {'step s':>8} {'bound s':>8} {'GiB':>6}  T  P   V    D  b    M  schedule          G  "
-              "Z  rc  " + ("ag@opt" if res.stock else "stock at this layout") + ("  CP  EP" if wide else ""))
+        print(f"  {'#':>2} {'TFLOP/s':>8} {'step s':>8} {'bound s':>8} {'load':>5} {'GiB':>6}  T  P   V    D  b    M  "
+              "schedule          G  Z  rc  " + ("ag@opt" if res.stock else "stock at this layout")
+              + ("  CP  EP" if wide else ""))
     for i, p in enumerate(res.candidates):
         c, g = p.config, p.to_dict()["config"]["microbatch_group_size_per_vp_stage"]
         print(f"  {i + 1:>2} {p.tflops_per_gpu:>8.1f} {p.step_time_s:>8.3f} {p.step_lower_bound_s:>8.3f} "
-              f"{p.peak_memory_gib:>6.1f} {c.tp:>2} {c.pp:>2} "
+              f"{p.rank_load_max_over_mean:>5.3f} {p.peak_memory_gib:>6.1f} {c.tp:>2} {c.pp:>2} "
               f"{c.vp:>3} {c.dp:>4} {c.micro_batch_size:>2} {c.microbatches:>4}  {c.schedule:<16} {g if g else '-':>2} "
               f"{c.zero_stage:>2}  {'y' if c.recompute else 'n'}  "
               + (("y" if c.param_gather_with_optimizer else "n") if res.stock else _stock_here(c))
               + (f"  {c.cp:>2}  {c.ep:>2}" if wide else ""))
     if res.candidates:
+        print("  load: the busiest pipeline rank's compute over the mean rank's (1 = balanced stages); bound: no "
+              "order of the candidate's stages steps faster")
         print(f"  #1 launches with: {' '.join(launch_flags(res.candidates[0].config, model))}")
     if res.rejected:
         print("  most promising rejected:")

@@ -19,7 +19,7 @@ the `sim.model.ModelProfile` and `sim.costs.Config` they describe, with Megatron
 
 Mixed precision is what the simulator models (bf16 or fp16 weights and activations, fp32 gradients and Adam
 state), so --bf16 (or --fp16) is required. Flags describing what it does not model (multi-latent attention,
-hybrid Mamba layers, multi-token prediction, free pipeline layouts, FP4, offloading, FSDP, ...) get one error
+hybrid Mamba layers, multi-token prediction, FP4, offloading, FSDP, ...) get one error
 naming the flag. Megatron's own rejections come back as `FlagError("Megatron-LM rejects the flags: ...")`.
 """
 
@@ -36,6 +36,7 @@ from typing import Iterator, Sequence
 from ..schedule.kinds import megatron_kind
 from ..sim.costs import Config
 from ..sim.hardware import Hardware
+from ..sim.layouts import layout_string
 from ..sim.model import ModelProfile, StageSplit
 
 # Megatron's argument checks ask the GPU's major architecture: the hardware profiles' GPUs.
@@ -136,9 +137,6 @@ UNMODELLED_FLAGS = {
     "--hybrid-layer-pattern": "hybrid (Mamba) layers",
     "--hybrid-override-pattern": "hybrid (Mamba) layers",
     "--is-hybrid-model": "hybrid (Mamba) layers",
-    "--pipeline-model-parallel-layout": "a free layout of layers over stages (it takes equal stages, "
-                                        "--decoder-first/last-pipeline-num-layers and "
-                                        "--account-for-embedding/loss-in-pipeline-split)",
     "--fp4-format": "FP4 GEMMs",
     "--experimental-attention-variant": "gated delta net / sparse attention",
     "--linear-attention-freq": "linear attention layers",
@@ -354,7 +352,9 @@ def launch_flags(cfg: Config, model: ModelProfile) -> list[str]:
             out += [flag, str(count)]
     out += [flag for flag, on in (("--account-for-embedding-in-pipeline-split", split.account_for_embedding),
                                   ("--account-for-loss-in-pipeline-split", split.account_for_loss)) if on]
-    if cfg.vp > 1:
+    if split.layout is not None:  # it sets V itself
+        out += ["--pipeline-model-parallel-layout", layout_string(split.layout)]
+    elif cfg.vp > 1:
         if split.first_pipeline_num_layers is not None or split.last_pipeline_num_layers is not None:
             out += ["--num-virtual-stages-per-pipeline-rank", str(cfg.vp)]
         else:

@@ -275,6 +275,15 @@ class StageSplit:
     last_pipeline_num_layers: int | None = None  # --decoder-last-pipeline-num-layers (all of rank P-1's stages)
     account_for_embedding: bool = False  # --account-for-embedding-in-pipeline-split: the embedding is a layer
     account_for_loss: bool = False  # --account-for-loss-in-pipeline-split: the output layer and loss are one
+    # --pipeline-model-parallel-layout: each stage's decoder layers, in stage order (sim/layouts.py)
+    layout: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        others = (self.first_pipeline_num_layers, self.last_pipeline_num_layers, self.account_for_embedding or None,
+                  self.account_for_loss or None)
+        if self.layout is not None and any(x is not None for x in others):
+            raise ValueError("--pipeline-model-parallel-layout places every layer itself: drop "
+                             "--decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split")
 
     @property
     def even(self) -> bool:
@@ -283,6 +292,11 @@ class StageSplit:
     @classmethod
     def from_args(cls, args: Any) -> "StageSplit":
         """From Megatron-LM's parsed arguments (absent flags: equal stages)."""
+        from .layouts import parse_layout
+
+        layout = getattr(args, "pipeline_model_parallel_layout", None)
+        if layout is not None:
+            return cls(layout=parse_layout(str(layout)))
         return cls(getattr(args, "decoder_first_pipeline_num_layers", None),
                    getattr(args, "decoder_last_pipeline_num_layers", None),
                    bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
@@ -297,6 +311,11 @@ def stage_layer_counts(num_layers: int, pp: int, vp: int, split: StageSplit = EV
     them (`get_num_layers_to_build`); ValueError naming the flags when Megatron-LM refuses the split."""
     n = pp * vp
     first, last = split.first_pipeline_num_layers, split.last_pipeline_num_layers
+    if split.layout is not None:
+        if len(split.layout) != n or sum(split.layout) != num_layers or min(split.layout) < 0:
+            raise ValueError(f"--pipeline-model-parallel-layout places {sum(split.layout)} decoder layers on "
+                             f"{len(split.layout)} stages; the model has {num_layers} layers on P*V = {pp}*{vp} = {n}")
+        return split.layout
     if split.even:
         if num_layers % n:
             raise ValueError(

@@ -21,8 +21,11 @@ from dataclasses import dataclass, field
 
 from ..schedule import SCHEDULE_NAMES, ScheduleError
 from ..schedule.kinds import KINDS, megatron_kind
-from .costs import ADAM_BYTES_PER_PARAM, Config, memory_breakdown, sharded_params, stage_times
+from .costs import ADAM_BYTES_PER_PARAM, Config, head_times, layer_times, memory_breakdown, sharded_params, \
+    stage_times
 from .hardware import GIB, Hardware
+from .layer_costs import embedding_ops
+from .layouts import balanced_layouts
 from .model import EVEN_STAGES, ModelProfile, Partition, StageSplit, stage_layer_counts
 from .predict import Prediction, check_config, config_dict, memory, predict
 
@@ -50,6 +53,9 @@ class SearchSpace:
     w_reruns_input_grad: bool = False  # split-backward cost: see `Config.w_reruns_input_grad`
     w_at_input_grad: bool = False  # and `Config.w_at_input_grad`
     split: StageSplit = EVEN_STAGES  # Megatron-LM's uneven-split flags, for every configuration
+    # With the default split: also free layouts (--pipeline-model-parallel-layout) that give the ranks holding the
+    # embedding and the output layer fewer decoder layers (`layouts.balanced_layouts`), at any P and V they fill.
+    search_layouts: bool = True
     # Stock Megatron (`stock_space`): its interleaved configurations are also tried with the parameter gather
     # overlapped with the optimizer step. Implies `stock_optimizer`.
     stock: bool = False
@@ -182,6 +188,9 @@ def _candidate_dict(p: Prediction) -> dict:
         "tflops_per_gpu": p.tflops_per_gpu,
         "step_time_s": p.step_time_s,
         "step_lower_bound_s": p.step_lower_bound_s,
+        # What the layout leaves: the busiest rank's F/B work over the mean rank's, and the step above its bound.
+        "rank_load_max_over_mean": p.rank_load_max_over_mean,
+        "gap_to_lower_bound_s": p.step_time_s - p.step_lower_bound_s,
         "peak_memory_gib": p.peak_memory_gib,
         "fits": p.fits,
         "mfu": p.mfu,
@@ -258,12 +267,17 @@ def enumerate_configs(model: ModelProfile, hw: Hardware, gpus: int, global_batch
     g = hw.gpus_per_node
     tps = space.tp_sizes or tuple(t for t in (1, 2, 4, 8, 16) if t <= g)
     split = space.split
-    if split.first_pipeline_num_layers is not None or split.last_pipeline_num_layers is not None:
+    free = free_layouts(space)
+    if split.layout is not None:  # the layout's stages, P * V of them
+        pps = space.pp_sizes or tuple(_divisors(len(split.layout)))
+    elif split.first_pipeline_num_layers is not None or split.last_pipeline_num_layers is not None:
         pps = space.pp_sizes or tuple(range(2, model.num_layers + 1))  # the middle ranks decide: try each P
+    elif free:  # a stage per rank at least, the first and last may hold the embedding or the loss alone
+        pps = space.pp_sizes or tuple(range(1, model.num_layers + 3))
     else:  # P divides the layers, the embedding and the loss counted where the flags say
         pps = space.pp_sizes or tuple(_divisors(model.num_layers + split.account_for_embedding
                                                 + split.account_for_loss))
-    vp_sizes = {pp: _vp_sizes(model, pp, split, space.layers_per_virtual_stage) for pp in pps}
+    vp_sizes = {pp: _vp_sizes(model, pp, split, space.layers_per_virtual_stage, free) for pp in pps}
     fixed = space.layer_settings()
     etp = space.etp
     for tp in tps:
@@ -294,14 +308,67 @@ def enumerate_configs(model: ModelProfile, hw: Hardware, gpus: int, global_batch
                         continue
                     if not model.is_moe and ep != 1:
                         continue
-                    _layouts(out, bad, model, space, fixed, tp, cp, pp, dp, ep, global_batch // dp, splits)
+                    stage_splits = _StageSplits(model, hw, space, fixed, tp, cp, ep) if free else None
+                    _layouts(out, bad, model, space, fixed, tp, cp, pp, dp, ep, global_batch // dp, splits,
+                             stage_splits)
     return out, bad
 
 
+def free_layouts(space: SearchSpace) -> bool:
+    """Whether the search tries free layouts beside Megatron's default split (none fixed by the flags)."""
+    return space.search_layouts and space.split.even and space.layers_per_virtual_stage is None
+
+
+class _StageSplits:
+    """The splits tried at one T, CP, EP: Megatron's default (equal stages) where it divides, and the layouts that
+    balance the embedding and the output layer at these costs (per b and recomputation; computed once each)."""
+
+    def __init__(self, model: ModelProfile, hw: Hardware, space: SearchSpace, fixed: dict, tp: int, cp: int,
+                 ep: int) -> None:
+        self.model, self.hw, self.space = model, hw, space
+        self.part = Partition(model, tp, 1, 1, EVEN_STAGES, cp, ep, fixed["etp"], fixed["sequence_parallel"],
+                              fixed["attention"], fixed["fp8"], fixed["tp_comm_overlap"], fixed["moe_a2a_overlap"])
+        self._costs: dict[tuple[int, bool], tuple[float, float, float]] = {}
+        self._splits: dict[tuple[int, int, int, bool], list[StageSplit]] = {}
+
+    def costs(self, b: int, recompute: bool) -> tuple[float, float, float]:
+        """(mean decoder layer, embedding, output layer and loss): F + B of one micro-batch, a recomputed layer's
+        forward included."""
+        key = (b, recompute)
+        if key not in self._costs:
+            m, part = self.model, self.part
+            kinds = {m.is_moe_layer(i): i for i in range(m.num_layers)}
+            per_kind = {moe: layer_times(self.hw, part, b, i) for moe, i in kinds.items()}
+            layer = sum(sum(per_kind[m.is_moe_layer(i)]) + (per_kind[m.is_moe_layer(i)][0] if recompute else 0.0)
+                        for i in range(m.num_layers)) / m.num_layers
+            emb = embedding_ops(self.hw, part, b)
+            self._costs[key] = (layer, emb.forward + emb.backward, sum(head_times(self.hw, part, b)))
+        return self._costs[key]
+
+    def splits(self, pp: int, vp: int, b: int, recompute: bool) -> list[StageSplit]:
+        key = (pp, vp, b, recompute)
+        if key not in self._splits:
+            self._splits[key] = self._compute(pp, vp, b, recompute)
+        return self._splits[key]
+
+    def _compute(self, pp: int, vp: int, b: int, recompute: bool) -> list[StageSplit]:
+        out = []
+        try:
+            even = stage_layer_counts(self.model.num_layers, pp, vp)
+            out.append(EVEN_STAGES)
+        except ValueError:
+            even = None
+        for counts in balanced_layouts(self.model.num_layers, pp, vp, *self.costs(b, recompute)):
+            if counts != even:
+                out.append(StageSplit(layout=counts))
+        return out
+
+
 def _layouts(out: list[Config], bad: list[tuple[Config | None, str]], model: ModelProfile, space: SearchSpace,
-             fixed: dict, tp: int, cp: int, pp: int, dp: int, ep: int, per_dp: int, splits: list[int]) -> None:
-    """The configurations of one T, CP, P, D, EP layout: every b, schedule, V, group size, ZeRO stage and
-    recomputation the space allows."""
+             fixed: dict, tp: int, cp: int, pp: int, dp: int, ep: int, per_dp: int, splits: list[int],
+             stage_splits: _StageSplits | None = None) -> None:
+    """The configurations of one T, CP, P, D, EP layout: every b, schedule, V, group size, ZeRO stage,
+    recomputation and (with `stage_splits`) stage split the space allows."""
     for b in space.micro_batch_sizes:
         if per_dp % b:
             continue
@@ -320,11 +387,12 @@ def _layouts(out: list[Config], bad: list[tuple[Config | None, str]], model: Mod
                     gather_options = (False, True) if (space.stock and sched in STOCK_SCHEDULES
                                                        and KINDS[sched].virtual_stages and zero == 1
                                                        and space.dp_overlap) else (False,)
-                    for rc in space.recompute:
+                    for rc, split in ((rc, split) for rc in space.recompute for split in (
+                            stage_splits.splits(pp, vp, b, rc) if stage_splits else [space.split])):
                         base = Config(tp, pp, vp, dp, b, m, sched, zero, rc, None,
                                       space.dp_overlap, space.p2p_overlap,
                                       w_reruns_input_grad=space.w_reruns_input_grad,
-                                      w_at_input_grad=space.w_at_input_grad, split=space.split,
+                                      w_at_input_grad=space.w_at_input_grad, split=split,
                                       stock_optimizer=space.stock_optimizer, cp=cp, ep=ep,
                                       **{**fixed, "recompute_num_layers": fixed["recompute_num_layers"] if rc else None})
                         if m > space.max_microbatches:
@@ -349,10 +417,21 @@ def stock_fallback_layouts(configs: list[Config]) -> list[tuple[int, int, int, i
 
 
 def _vp_sizes(model: ModelProfile, pp: int, split: StageSplit,
-              layers_per_stage: tuple[int, ...] | None = None) -> list[int]:
+              layers_per_stage: tuple[int, ...] | None = None, free: bool = False) -> list[int]:
     """Every V for which Megatron-LM splits the layers over P * V stages under these split flags (with
     `layers_per_stage`, only those whose stages hold that many layers, as --num-layers-per-virtual-pipeline-stage
-    sets V: layers, the embedding and the loss counted as the flags say, over P * V)."""
+    sets V: layers, the embedding and the loss counted as the flags say, over P * V); with `free` layouts, every V
+    whose stages between the first and the last get a layer each."""
+    if split.layout is not None:
+        return [len(split.layout) // pp] if len(split.layout) % pp == 0 else []
+    if free:
+        # Per largest stage size k (decoder layers), the fewest stages that hold them: more stages of the same k
+        # add hops and leave stages short of k without making the largest smaller. V dividing them evenly too.
+        even = set(_vp_sizes(model, pp, split, layers_per_stage))
+        fewest = {}
+        for v in range(1, (model.num_layers + 2) // pp + 1):
+            fewest.setdefault(-(-model.num_layers // (pp * v)), v)
+        return sorted(even | set(fewest.values()))
     units = model.num_layers + split.account_for_embedding + split.account_for_loss
     out = []
     for v in range(1, model.num_layers // pp + 2):
@@ -432,3 +511,30 @@ def plan(model: ModelProfile, hw: Hardware, gpus: int, global_batch: int, space:
             reasons = list(dict.fromkeys(why for _, why in bad))[:3]
         notes.append("no configuration fits: " + "; ".join(reasons or ["the search space is empty"]))
     return PlanResult(fitting[:top], promising, len(configs), simulated, notes, space.stock, fallback)
+
+
+def smallest_lower_bound(model: ModelProfile, hw: Hardware, gpus: int, global_batch: int,
+                         space: SearchSpace = SearchSpace()) -> tuple[float, Config] | None:
+    """The smallest step lower bound over every configuration of `space` that fits (None if none does): no
+    layout and no order of its stages steps faster under the cost model. Each configuration's bound is the larger
+    of the profile bound (`_Bounds.step_lower_bound`) and the built schedule's (`engine.step_lower_bound_s`),
+    both lower bounds of its step; configurations are visited by profile bound, so the search stops, exactly,
+    once that passes the smallest found."""
+    from .costs import analytic_costs
+    from .engine import step_lower_bound_s
+    from .predict import schedule_for
+
+    bounds = _Bounds(model, hw)
+    configs, _ = enumerate_configs(model, hw, gpus, global_batch, space)
+    ranked = sorted(((bounds.step_lower_bound(c, c.partition(model)), i, c) for i, c in enumerate(configs)),
+                    key=lambda x: (x[0], x[1]))
+    best: tuple[float, Config] | None = None
+    for cheap, _, cfg in ranked:
+        if best is not None and cheap >= best[0]:
+            break
+        if unfit_reason(model, hw, cfg, bounds) is not None:
+            continue
+        bound = max(cheap, step_lower_bound_s(schedule_for(cfg), analytic_costs(hw, cfg.partition(model), cfg)))
+        if best is None or bound < best[0]:
+            best = (bound, cfg)
+    return best

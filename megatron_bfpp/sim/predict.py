@@ -14,6 +14,7 @@ from ..schedule.events import TimelineEvent
 from .costs import Config, analytic_costs, memory_breakdown, peak_activation_bytes
 from .engine import EngineResult, simulate_schedule, step_lower_bound_s
 from .hardware import GIB, Hardware
+from .layouts import layout_string
 from .model import ModelProfile, StageSplit
 
 def check_config(model: ModelProfile, hw: Hardware, cfg: Config) -> None:
@@ -121,6 +122,8 @@ class Prediction:
     # backward and reduction, or a rank's compute or data-parallel stream, each action no earlier than it can
     # start in any order.
     step_lower_bound_s: float = 0.0
+    # The busiest rank's F/B time over the mean rank's: 1 when the layout balances the work exactly.
+    rank_load_max_over_mean: float = 1.0
     events: list[TimelineEvent] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -152,6 +155,7 @@ def config_dict(cfg: Config) -> dict:
         "decoder_last_pipeline_num_layers": cfg.split.last_pipeline_num_layers,
         "account_for_embedding_in_pipeline_split": cfg.split.account_for_embedding,
         "account_for_loss_in_pipeline_split": cfg.split.account_for_loss,
+        "pipeline_model_parallel_layout": None if cfg.split.layout is None else layout_string(cfg.split.layout),
         "overlap_param_gather_with_optimizer_step": cfg.param_gather_with_optimizer,
         "optimizer_in_schedule": cfg.optimizer_in_schedule,
         # How the layers run: context, expert and expert-tensor parallelism, sequence parallelism, attention kernel,
@@ -277,6 +281,7 @@ def _prediction(model: ModelProfile, hw: Hardware, cfg: Config, sched: Schedule,
         peak_pending_weight_grads=pending,
         optimizer_exposed_s=res.max_optimizer_exposed_s,
         step_lower_bound_s=lower_bound_s,
+        rank_load_max_over_mean=max(res.compute_s) * pp / sum(res.compute_s) if sum(res.compute_s) > 0 else 1.0,
         events=res.events,
     )
 

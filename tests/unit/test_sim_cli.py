@@ -96,7 +96,8 @@ def test_every_preset_simulates_on_its_published_hardware(name: str, capsys: pyt
 def test_every_preset_plans_on_its_published_hardware(name: str, capsys: pytest.CaptureFixture) -> None:
     """Restricted to the published layout and Megatron's own schedule, the plan finds exactly the run that
     `simulate` predicts."""
-    argv = _published(name, "--pipeline-schedule", "default", "--group-size-search", "off", "--top", "1", "--json")
+    argv = _published(name, "--pipeline-schedule", "default", "--group-size-search", "off", "--layout-search", "off",
+                      "--top", "1", "--json")
     code, d = _json(capsys, plan_main, argv)
     assert code == 0 and len(d["candidates"]) == 1, d.get("notes")
     best = d["candidates"][0]

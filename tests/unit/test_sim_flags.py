@@ -170,10 +170,27 @@ def test_megatron_and_plugin_errors_name_the_flag(extra: str, message: str) -> N
         _read(extra, gpus=8)
 
 
+def test_a_free_layout_is_read_stage_by_stage() -> None:
+    """--pipeline-model-parallel-layout: stage s on rank s mod P, V from the stage count, the embedding alone on
+    stage 0 and the loss alone on the last; its launch flags give it back."""
+    from megatron_bfpp.megatron.sim_flags import launch_flags
+
+    m, c = _read("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout E|ttt|(tt|)*2t|L",
+                 "--pipeline-schedule breadth-first --zero-stage 3")
+    assert (c.pp, c.vp) == (2, 3) and c.split.layout == (0, 3, 2, 2, 1, 0)
+    assert c.partition(m).layer_counts == (0, 3, 2, 2, 1, 0)
+    flags = launch_flags(c, m)
+    assert flags[flags.index("--pipeline-model-parallel-layout") + 1] == "E|ttt|(tt|)*2t|L"
+    assert "--num-layers-per-virtual-pipeline-stage" not in flags
+    with pytest.raises(ValueError, match="must be divisible by pipeline_model_parallel_size"):
+        _read("--pipeline-model-parallel-size 4 --pipeline-model-parallel-layout E|ttt|(tt|)*2t|L")
+    with pytest.raises(ValueError, match="^--pipeline-model-parallel-layout 'Et|m|t\\*6L': multi-token"):
+        _read("--pipeline-model-parallel-size 3 --pipeline-model-parallel-layout Et|m|t*6L")
+
+
 @pytest.mark.parametrize("extra, flag", [
     ("--multi-latent-attention", "--multi-latent-attention"),
     ("--mtp-num-layers 1", "--mtp-num-layers"),
-    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*4|t*4L", "--pipeline-model-parallel-layout"),
     ("--fp4-format e2m1", "--fp4-format"),
     ("--hybrid-layer-pattern M*8", "--hybrid-layer-pattern"),
     ("--recompute-granularity selective --recompute-modules mlp", "--recompute-modules mlp"),

@@ -2,6 +2,7 @@
 memory a pending W keeps, closed forms of the simulated step and the planner's search over the new schedules.
 Pure Python, fast."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -119,8 +120,9 @@ def test_w_at_input_grad_makes_a_split_schedule_its_fused_order():
     assert at_i.step_time_s == pytest.approx(fused.step_time_s, rel=1e-9)
     assert at_i.peak_memory_gib == pytest.approx(fused.peak_memory_gib, rel=1e-9)
     assert deferred.step_time_s < at_i.step_time_s
-    best = plan(GPT52, A100, 512, 64, SearchSpace(w_at_input_grad=True), top=1).candidates[0]
-    today = plan(GPT52, A100, 512, 64, STOCK, top=1).candidates[0]
+    # At Megatron's default split on both sides (free layouts are another question: test_sim_layouts.py).
+    best = plan(GPT52, A100, 512, 64, SearchSpace(w_at_input_grad=True, search_layouts=False), top=1).candidates[0]
+    today = plan(GPT52, A100, 512, 64, dataclasses.replace(STOCK, search_layouts=False), top=1).candidates[0]
     # Nothing to gain at 1/8: the same interleaved order, less only the first chunk's parameter gather, which stock
     # overlaps with its optimizer step (--overlap-param-gather-with-optimizer-step).
     assert today.config.param_gather_with_optimizer and not best.config.param_gather_with_optimizer
@@ -268,7 +270,8 @@ def test_planner_enumerates_the_split_backward_schedules():
 def test_plan_over_split_schedules_is_exact():
     small = A100.replace(hbm_bytes=12e9)
     space = SearchSpace(schedules=("breadth-first", "breadth-first-zb", "interleaved-zb", "zb-h1", "1f1b"),
-                        micro_batch_sizes=(1, 2), zero_stages=(1, 3), tp_sizes=(2,), recompute=(False,))
+                        micro_batch_sizes=(1, 2), zero_stages=(1, 3), tp_sizes=(2,), recompute=(False,),
+                        search_layouts=False)
     res = plan(GPT13, small, 16, 32, space, top=4)
     configs, _ = enumerate_configs(GPT13, small, 16, 32, space)
     ref = sorted((p for p in (predict(GPT13, small, c) for c in configs) if p.fits), key=lambda p: -p.tflops_per_gpu)
@@ -277,9 +280,10 @@ def test_plan_over_split_schedules_is_exact():
 
 def test_unrestricted_plan_picks_a_split_schedule_at_small_batch():
     """52B on 512 A100 at 1/8 sequence per GPU: the unrestricted planner beats today's Megatron (stock at its best:
-    interleaved 1F1B, tuned group size, overlapped distributed optimizer) with a split-backward schedule."""
-    today = plan(GPT52, A100, 512, 64, STOCK, top=1)
-    ours = plan(GPT52, A100, 512, 64, SearchSpace(recompute=(False,)), top=1)
+    interleaved 1F1B, tuned group size, overlapped distributed optimizer) with a split-backward schedule, both at
+    Megatron's default split."""
+    today = plan(GPT52, A100, 512, 64, dataclasses.replace(STOCK, search_layouts=False), top=1)
+    ours = plan(GPT52, A100, 512, 64, SearchSpace(recompute=(False,), search_layouts=False), top=1)
     best = ours.candidates[0]
     assert best.config.schedule in ("breadth-first-zb", "interleaved-zb")
     assert best.tflops_per_gpu > today.candidates[0].tflops_per_gpu

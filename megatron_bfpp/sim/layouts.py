@@ -1,0 +1,116 @@
+"""Stage layouts: how many decoder layers each of the P*V pipeline stages holds, the embedding on stage 0 and the
+output layer and loss on the last (stage s on rank s mod P, its chunk s // P), as Megatron-Core's
+`--pipeline-model-parallel-layout` writes them (`E`, `t` per decoder layer, `L`, `|` between stages; parsed by
+`PipelineParallelLayerLayout.parse_str_to_list` in megatron/core/transformer/pipeline_parallel_layer_layout.py).
+
+`balanced_layouts` proposes the layouts the planner tries beside equal stages: the embedding and above all the
+output layer of today's vocabularies (Llama-3's 128256 x 8192 output layer costs about 1.2 of its decoder layers)
+make equal layer counts unequal work, so the ranks holding them get fewer layers, down to a stage holding the
+output layer alone.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+# Megatron's unrolling, in its order: `(...)*n` first, then `x*n` (parse_str_to_list).
+_UNROLL = (re.compile(r"\(([^)]+)\)\*(\d+)"), re.compile(r"(.)\*(\d+)"))
+
+
+def layout_string(counts: Sequence[int]) -> str:
+    """The `--pipeline-model-parallel-layout` of these per-stage decoder-layer counts, runs of equal stages
+    written `(tt|)*n` and long stages `t*n`, as Megatron's parser unrolls them."""
+    if not counts:
+        raise ValueError("a layout needs at least one stage")
+    stages = []
+    for s, n in enumerate(counts):
+        body = ("t" * n) if n <= 3 else f"t*{n}"
+        stages.append(("E" if s == 0 else "") + body + ("L" if s == len(counts) - 1 else ""))
+    out, s = [], 0
+    while s < len(stages):
+        run = 1
+        while s + run < len(stages) and stages[s + run] == stages[s]:
+            run += 1
+        # A run is never the last stage (it alone holds L), so `(x|)*n` is always followed by a stage.
+        out.append(f"({stages[s]}|)*{run}" if run > 1 else stages[s] + ("|" if s + 1 < len(stages) else ""))
+        s += run
+    return "".join(out)
+
+
+def parse_layout(text: str) -> tuple[int, ...]:
+    """Each stage's decoder layers in a `--pipeline-model-parallel-layout` (Megatron's grammar: commas are cosmetic,
+    `(...)*n` and `x*n` repeat); ValueError naming the flag for what Megatron refuses or the simulator does not
+    model (`m`: multi-token prediction layers)."""
+    flat = text.replace(",", "")
+    for pattern in _UNROLL:
+        flat = pattern.sub(lambda x: x.group(1) * int(x.group(2)), flat)
+    stages = flat.split("|")
+    bad = set(flat) - set("EtL|")
+    if bad:
+        what = "multi-token prediction layers (m), which the simulator does not model" if bad == {"m"} else \
+            f"characters {''.join(sorted(bad))!r} (Megatron knows E, t, L, m)"
+        raise ValueError(f"--pipeline-model-parallel-layout {text!r}: {what}")
+    if flat.count("E") != 1 or flat.count("L") != 1 or not stages[0].startswith("E") or not stages[-1].endswith("L") \
+            or any(c != "t" for c in flat[1:-1].replace("|", "")):
+        raise ValueError(f"--pipeline-model-parallel-layout {text!r}: the embedding E must open the first stage and the "
+                         "loss L close the last, once each, with only decoder layers t between")
+    return tuple(st.count("t") for st in stages)
+
+
+def _fill(minimum: list[int], fixed: list[float], unit: float, total: int) -> list[int] | None:
+    """`total` units over the bins, each at least its minimum, minimising the largest load fixed + unit x count
+    (adding one at a time to the least loaded bin is optimal for this min-max); None when the minimums exceed it.
+    Ties go to the later bin: toward the end of the pipeline, whose backward starts first."""
+    counts = list(minimum)
+    left = total - sum(counts)
+    if left < 0:
+        return None
+    for _ in range(left):
+        i = min(range(len(counts)), key=lambda j: (fixed[j] + unit * (counts[j] + 1), -j))
+        counts[i] += 1
+    return counts
+
+
+def balanced_layouts(num_layers: int, pp: int, vp: int, layer: float, embedding: float,
+                     head: float) -> list[tuple[int, ...]]:
+    """Layouts of `num_layers` decoder layers over P*V stages that even out the work per rank, then per stage,
+    when a decoder layer costs `layer`, the embedding `embedding` and the output layer and loss `head` (any unit:
+    F + B of one micro-batch). Every stage but the first and the last holds a layer (an empty stage would be a
+    hop for nothing); the first may hold the embedding alone and the last the output layer alone. Besides the
+    balanced layout, the ones giving the output layer's rank one layer more or fewer (the simulator decides
+    between them: the pipeline's fill and drain weigh too). Empty when P*V stages cannot be filled so."""
+    n = pp * vp
+    if n < 1 or num_layers < max(0, n - 2) or layer <= 0:
+        return []
+    stage_fixed = [0.0] * n
+    stage_fixed[0] += embedding
+    stage_fixed[-1] += head
+    stage_min = [0 if s in (0, n - 1) else 1 for s in range(n)]
+    rank_fixed = [sum(stage_fixed[r::pp]) for r in range(pp)]
+    rank_min = [sum(stage_min[r::pp]) for r in range(pp)]
+    balanced = _fill(rank_min, rank_fixed, layer, num_layers)
+    if balanced is None:
+        return []
+    rank_totals = [balanced]
+    if pp > 1:
+        for delta in (-1, 1):
+            last = balanced[-1] + delta
+            if last < rank_min[-1]:
+                continue
+            others = _fill(rank_min[:-1], rank_fixed[:-1], layer, num_layers - last)
+            if others is not None:
+                rank_totals.append(others + [last])
+    out: list[tuple[int, ...]] = []
+    for totals in rank_totals:
+        counts = [0] * n
+        for r in range(pp):
+            per_stage = _fill(stage_min[r::pp], stage_fixed[r::pp], layer, totals[r])
+            if per_stage is None:
+                break
+            for v, c in enumerate(per_stage):
+                counts[r + v * pp] = c
+        else:
+            if tuple(counts) not in out:
+                out.append(tuple(counts))
+    return out

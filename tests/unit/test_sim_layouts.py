@@ -1,0 +1,141 @@
+"""Free stage layouts (--pipeline-model-parallel-layout): written and read as Megatron-Core does, balanced over the
+ranks, searched by the planner for ours and for stock."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Iterator
+
+import pytest
+
+from megatron_bfpp.sim import STOCK, SearchSpace, get_hardware, plan
+from megatron_bfpp.sim.layouts import balanced_layouts, layout_string, parse_layout
+from megatron_bfpp.sim.model import ModelProfile, Partition, StageSplit, stage_layer_counts
+from megatron_bfpp.sim.planner import enumerate_configs
+
+H100 = get_hardware("dgx-h100")
+
+
+from megatron.core.transformer.enums import LayerType  # noqa: E402  (imported at collection: it is slow)
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout  # noqa: E402
+
+
+def _megatron_counts(text: str) -> tuple[int, ...]:
+    return tuple(stage.count(LayerType.decoder) for stage in PipelineParallelLayerLayout.parse_str_to_list(text))
+
+
+@pytest.mark.parametrize("text", ["Et*3|(tt|)*29,tt|L", "E|tt|tt|t,L", "EttL", "Et|t|t|tL", "E|(t|)*4L",
+                                  "Ettttt|t*5|(ttt|)*2,t*2L"])
+def test_parse_reads_what_megatron_reads(text: str) -> None:
+    assert parse_layout(text) == _megatron_counts(text)
+
+
+def test_written_layouts_read_back_through_megatrons_parser() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 24)
+        counts = tuple(rng.choice((0, 1, 2, 2, 3, 5, 9)) if s in (0, n - 1) else rng.randint(1, 6) for s in range(n))
+        text = layout_string(counts)
+        assert _megatron_counts(text) == counts == parse_layout(text), text
+
+
+@pytest.mark.parametrize("text, what", [("Et|m|tL", "multi-token"), ("tE|tL", "must open the first stage"),
+                                        ("Et|tL|t", "close the last"), ("Etx|tL", "characters 'x'")])
+def test_parse_refuses_what_megatron_or_the_simulator_cannot_run(text: str, what: str) -> None:
+    with pytest.raises(ValueError, match=f"^--pipeline-model-parallel-layout '{text.replace('|', '[|]')}': .*{what}"):
+        parse_layout(text)
+
+
+def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(total + 1):
+        for rest in _compositions(total - first, parts - 1):
+            yield (first, *rest)
+
+
+def _rank_loads(counts, pp, layer, emb, head):
+    n = len(counts)
+    stage = [layer * c + (emb if s == 0 else 0) + (head if s == n - 1 else 0) for s, c in enumerate(counts)]
+    return [sum(stage[r::pp]) for r in range(pp)], stage
+
+
+@pytest.mark.parametrize("num_layers, pp, vp, head", [(16, 4, 1, 2.4), (10, 2, 3, 1.3), (12, 3, 2, 0.4),
+                                                      (9, 4, 2, 3.0), (7, 1, 3, 2.0), (6, 2, 2, 1.0)])
+def test_balanced_layout_is_the_best_split_over_ranks(num_layers: int, pp: int, vp: int, head: float) -> None:
+    """Against every split with a layer on each stage between the ends: the first layout has the smallest busiest
+    rank, and among those the smallest busiest stage; every layout keeps the stage rules."""
+    layer, emb = 1.0, 0.1
+    found = balanced_layouts(num_layers, pp, vp, layer, emb, head)
+    assert found
+    n = pp * vp
+    best = None
+    for counts in _compositions(num_layers, n):
+        if any(c < 1 for c in counts[1:-1]):
+            continue
+        ranks, stages = _rank_loads(counts, pp, layer, emb, head)
+        key = (round(max(ranks), 9), round(max(stages), 9))
+        best = key if best is None else min(best, key)
+    ranks, stages = _rank_loads(found[0], pp, layer, emb, head)
+    assert (round(max(ranks), 9), round(max(stages), 9)) == best
+    for counts in found:
+        assert len(counts) == n and sum(counts) == num_layers and all(c >= 1 for c in counts[1:-1])
+    assert len(set(found)) == len(found)
+
+
+def test_a_heavy_output_layer_gets_a_stage_of_its_own() -> None:
+    """The output layer worth 2.4 layers, 16 layers on P = 4, V = 4: the last stage holds the loss alone."""
+    counts = balanced_layouts(16, 4, 4, 1.0, 0.05, 2.4)[0]
+    assert counts[-1] == 0 and layout_string(counts).endswith("|L")
+    assert balanced_layouts(3, 4, 2, 1.0, 0.0, 1.0) == []  # 8 stages, 6 between the ends: too few layers
+
+
+def test_a_layout_fixes_the_stages_and_refuses_what_does_not_match() -> None:
+    model = ModelProfile("six", 6, 256, 4)
+    split = StageSplit(layout=(0, 3, 2, 1))
+    assert stage_layer_counts(6, 2, 2, split) == (0, 3, 2, 1)
+    part = Partition(model, 1, 2, 2, split)
+    assert [part.stage_layers(s) for s in range(4)] == [range(0, 0), range(0, 3), range(3, 5), range(5, 6)]
+    assert part.rank_layers(0) == 2 and part.rank_layers(1) == 4
+    with pytest.raises(ValueError, match="places 6 decoder layers on 4 stages; the model has 6 layers on P.V = 1.3"):
+        stage_layer_counts(6, 1, 3, split)
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-layout places every layer itself"):
+        StageSplit(layout=(3, 3), account_for_loss=True)
+
+
+# A Llama-3-8B-like shape at 8 layers: its 128256-entry output layer is worth about two layers' work.
+BIG_VOCAB = ModelProfile("big-vocab", 8, 4096, 32, 8192, 128256, 14336, num_query_groups=8, swiglu=True,
+                         position_embedding="rope", rms_norm=True, add_bias_linear=False, hidden_dropout=0.0,
+                         attention_dropout=0.0)
+
+
+def test_the_planner_balances_a_large_vocabulary_for_ours_and_for_stock() -> None:
+    """At P = 4 the even split leaves the last rank the output layer on top of two layers; the search gives it
+    fewer layers, and both sides gain from it (stock at its best gets the same freedom)."""
+    space = SearchSpace(tp_sizes=(8,), pp_sizes=(4,), micro_batch_sizes=(1,), zero_stages=(1,), recompute=(False,),
+                        cp_sizes=(1,), schedules=("1f1b", "interleaved-1f1b", "breadth-first"))
+    for side in (space, STOCK):
+        side = dataclasses.replace(side, tp_sizes=(8,), pp_sizes=(4,), micro_batch_sizes=(1,), recompute=(False,),
+                                   cp_sizes=(1,))
+        even = plan(BIG_VOCAB, H100, 64, 32, dataclasses.replace(side, search_layouts=False), top=1).candidates[0]
+        free = plan(BIG_VOCAB, H100, 64, 32, side, top=1).candidates[0]
+        assert free.config.split.layout is not None
+        part = free.config.partition(BIG_VOCAB)
+        assert part.rank_layers(3) < part.rank_layers(0)  # the output layer's rank holds fewer layers
+        assert free.tflops_per_gpu > 1.03 * even.tflops_per_gpu
+        assert free.rank_load_max_over_mean < even.rank_load_max_over_mean
+        assert even.rank_load_max_over_mean > 1.1
+
+
+def test_free_layouts_reach_every_p_and_v_that_fills_its_stages() -> None:
+    """P need not divide the layers, nor P * V: 8 layers reach P = 3 and P = 10 (the embedding and the loss each
+    alone on a stage), and P * V stages never exceed the layers plus those two."""
+    space = SearchSpace(schedules=("1f1b", "breadth-first"), zero_stages=(0,), tp_sizes=(1,), micro_batch_sizes=(1,),
+                        recompute=(False,), search_group_size=False)
+    configs, _ = enumerate_configs(BIG_VOCAB, H100, 2520, 2520, space)
+    shapes = {(c.pp, c.vp) for c in configs}
+    assert (3, 1) in shapes and (10, 1) in shapes and (3, 2) in shapes
+    assert all(c.pp * c.vp <= 10 for c in configs)
+    assert not any(c.pp == 11 for c in configs)
