@@ -13,10 +13,10 @@ from megatron_bfpp.megatron.ab.commands import RunRecord
 
 
 def _options(*argv: str):
-    """The driver's options as its command line parses them (--cpu-smoke's settings applied, as main does)."""
+    """The driver's options as its command line parses them (the defaults, --cpu-pair's and --cpu-smoke's settings
+    applied, as main does)."""
     a = cli.build_parser().parse_args(list(argv))
-    if a.cpu_smoke:
-        cli.apply_cpu_smoke(a)
+    cli.apply_defaults(a)
     return a
 
 
@@ -108,7 +108,7 @@ def test_layout_and_stock_group_sizes() -> None:
     assert commands.stock_group_sizes(_options(), lay, 1) == []  # 1F1B takes none
     with pytest.raises(SystemExit, match=r"1 node\(s\) x 3 = 3 ranks is not a multiple of TP x PP = 4"):
         commands.layout(_options("--model", "1.3b", "--gpus-per-node", "3"))
-    with pytest.raises(SystemExit, match="4 layer\(s\) per virtual stage do not divide the 6 layers"):
+    with pytest.raises(SystemExit, match=r"4 layer\(s\) per virtual stage do not divide the 6 layers"):
         commands.layout(_options("--model", "1.3b", "--layers-per-stage", "4"))
 
 
