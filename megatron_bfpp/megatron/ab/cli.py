@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         lay = layout(a)
     stock_vp = stock_vp_at(lay)
-    apply_tolerances(a, same_layers=same_layers(lay, stock_vp))
+    placed_alike = same_layers(lay, stock_vp)
+    apply_tolerances(a, same_layers=placed_alike)
     title = title_of(a, lay)
 
     if a.parse_only:
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(manifest.read_text())
         records = [RunRecord(**r) for r in data["runs"]]
         return analyse(out, data["variants"], records, data["seq_length"], data.get("title", title), a.warmup,
-                       a.loss_rtol, a.loss_rtol_all, data.get("context"))
+                       a.loss_rtol, a.loss_rtol_all, data.get("context"), placed_alike)
 
     mlm = abs_path(a.megatron_lm_dir)
     if not mlm or not (a.dry_run or (Path(mlm) / "pretrain_gpt.py").is_file()):
@@ -335,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     if stock is None and stock_vp != lay["vp"] and any(not v.plugin for v in vs):
         print(f"note: M = {lay['m']} < P = {lay['pp']}: {STOCK_FALLBACK_RULE}; its layers then sit on other pipeline "
               f"ranks than ours, which Megatron seeds apart, so the same-model check compares loss curves within "
-              f"--loss-rtol {a.loss_rtol:g} / --loss-rtol-all {a.loss_rtol_all:g}", file=sys.stderr)
+              f"--loss-rtol {a.loss_rtol:g} / --loss-rtol-all {a.loss_rtol_all:g} (the grad norm at the first "
+              f"iteration only)", file=sys.stderr)
     cores = getattr(a, "cores", None)
 
     if a.dry_run:
@@ -368,4 +370,4 @@ def main(argv: list[str] | None = None) -> int:
     context["load_after"] = list(os.getloadavg())
     (out / "ab_runs.json").write_text(json.dumps(manifest, indent=1))
     return analyse(out, manifest["variants"], records, lay["seq"], title, a.warmup, a.loss_rtol, a.loss_rtol_all,
-                   context)
+                   context, placed_alike)

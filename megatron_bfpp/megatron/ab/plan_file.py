@@ -211,16 +211,16 @@ def shell_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--candidate", type=int, default=1)
     p.add_argument("--world", type=int, required=True, help="the job's ranks (nodes x GPUs per node)")
     p.add_argument("--launch", default="the job", help="where the world size comes from, for the error")
-    p.add_argument("--launch-flags", default="the flags after --", help="where the given flags come from, for the "
-                                                                        "error")
+    p.add_argument("--launch-flags", default="the flags after --",
+                   help="where the given flags come from, for the error")
     p.add_argument("given", nargs="*", help="flags given beside the plan (after --)")
     a = p.parse_args(argv)
     run = read_plan(a.plan, a.candidate)
     check_world(run, a.world, "--plan", a.launch)
     why = conflict(a.given, run)
     if why:
-        raise _refuse(f"--plan {run.path}: the job's flags conflict with it: {why} (the settings beside --plan: "
-                      f"{a.launch_flags}): drop them, or plan with them")
+        raise _refuse(f"--plan {run.path}: the job's settings conflict with it: {why} (given beside --plan: "
+                      f"{a.launch_flags}): drop it, or plan with it")
     values = flag_values(run.base_args)
     out = {
         "plan_flags": "(" + " ".join(shlex.quote(f) for f in [*run.base_args, *run.args]) + ")",

@@ -88,8 +88,10 @@ def measured_bubble(timeline: str | None) -> float | None:
 
 
 def summarize(variants: list[str], records: list[RunRecord], logs: dict[tuple[str, int], RunLog | None],
-              warmup: int, loss_rtol: float, loss_rtol_all: float) -> tuple[list[dict], list[str]]:
-    """One summary row per variant and the list of errors (failed variants, loss mismatch)."""
+              warmup: int, loss_rtol: float, loss_rtol_all: float,
+              placed_alike: bool = True) -> tuple[list[dict], list[str]]:
+    """One summary row per variant and the list of errors (failed variants, loss mismatch); `placed_alike`: see
+    `same_model_problem`."""
     rows, errors = [], []
     first_runs: dict[str, RunLog] = {}
     for v in variants:
@@ -134,7 +136,7 @@ def summarize(variants: list[str], records: list[RunRecord], logs: dict[tuple[st
             r["loss_check"] = ""
             continue
         ours, theirs = first_runs[r["variant"]], first_runs[base["variant"]]
-        problem = same_model_problem(ours, theirs, loss_rtol, loss_rtol_all)
+        problem = same_model_problem(ours, theirs, loss_rtol, loss_rtol_all, placed_alike)
         if problem is None:
             r["loss_check"] = "ok"
         elif problem.startswith("no "):
@@ -147,11 +149,15 @@ def summarize(variants: list[str], records: list[RunRecord], logs: dict[tuple[st
     return rows, errors
 
 
-def same_model_problem(run: RunLog, base: RunLog, rtol_first: float, rtol_all: float) -> str | None:
+def same_model_problem(run: RunLog, base: RunLog, rtol_first: float, rtol_all: float,
+                       placed_alike: bool = True) -> str | None:
     """Whether two runs trained the same model: lm loss and grad norm at every iteration both logged, within
     `rtol_first` at the first and `rtol_all` at every one (None: they agree). One iteration's loss alone is a weak
     test: every freshly initialised GPT of a vocabulary starts near ln(vocabulary); the later iterations and the
-    gradient norms depend on the weights and the data."""
+    gradient norms depend on the weights and the data. Where the runs build some layers on other pipeline ranks
+    (not `placed_alike`: stock without the layout's virtual stages), Megatron initialises those layers from other
+    seeds: the loss curves are compared at every iteration, the grad norm at the first only (after an update it
+    follows each run's own weights)."""
     theirs = {x["iteration"]: x for x in base.iterations}
     common = [(x, theirs[x["iteration"]]) for x in run.iterations if x["iteration"] in theirs]
     if not common or common[0][0].get("lm_loss") is None or common[0][1].get("lm_loss") is None:
@@ -159,6 +165,8 @@ def same_model_problem(run: RunLog, base: RunLog, rtol_first: float, rtol_all: f
     for k, (x, y) in enumerate(common):
         rtol, which = (rtol_first, "--loss-rtol") if k == 0 else (rtol_all, "--loss-rtol-all")
         for key, what, printed in (("lm_loss", "lm loss", 0.0), ("grad_norm", "grad norm", GRAD_NORM_PRINTED_STEP)):
+            if key == "grad_norm" and k > 0 and not placed_alike:
+                continue
             a, b = x.get(key), y.get(key)
             if a is None or b is None:
                 continue  # not logged (grad norm: some Megatron-LM logging settings leave it out)
@@ -308,14 +316,14 @@ def plot(summary: list[dict], path: Path, title: str) -> None:
 
 
 def analyse(out: Path, vs_names: list[str], records: list[RunRecord], seq: int, title: str, warmup: int,
-            loss_rtol: float, loss_rtol_all: float, context: dict | None = None) -> int:
+            loss_rtol: float, loss_rtol_all: float, context: dict | None = None, placed_alike: bool = True) -> int:
     """Parse every run's log, write the CSVs, the rounds' table and the PNG, print the summary and the errors; 1
     when any. `context` (what ran: command, descriptions, iterations, cores, load) heads ab_rounds.md."""
     logs: dict[tuple[str, int], RunLog | None] = {}
     for r in records:
         p = Path(r.log)
         logs[(r.variant, r.rep)] = parse_log(p.read_text(errors="replace"), r.variant, seq) if p.is_file() else None
-    rows, errors = summarize(vs_names, records, logs, warmup, loss_rtol, loss_rtol_all)
+    rows, errors = summarize(vs_names, records, logs, warmup, loss_rtol, loss_rtol_all, placed_alike)
     rounds = round_ratios(records, logs, rows[0]["baseline"], warmup) if rows and rows[0]["baseline"] else []
     with_round_ranges(rows, rounds)
     iterations = []
