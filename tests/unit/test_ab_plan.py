@@ -94,6 +94,9 @@ def test_read_plan_takes_the_candidate_and_its_flags(tmp_path: Path) -> None:
     assert second.args == tuple(SECOND) and second.plugin and second.virtual_stage_args() == []
     stock = plan_file.read_plan(_write(tmp_path, "stock.json", stock=True), flag="--stock-plan", stock=True)
     assert not stock.plugin and stock.world == 2
+    # Megatron's world size: T x CP x P x D (expert parallelism lies within D).
+    wide = dict(_config(tp=2, pp=4, dp=4), context_parallel_size=2, expert_model_parallel_size=4)
+    assert plan_file.PlannedRun("p", 1, False, (), (), wide).world == 64
     # Megatron's own schedule named outright is no plugin run either.
     assert not plan_file.PlannedRun("p", 1, False, (), ("--pipeline-schedule", "default"), {}).plugin
 
