@@ -169,7 +169,8 @@ PLAN_1_3B = {
                     "num_micro_batches": 8, "context_parallel_size": 1, "expert_model_parallel_size": 1},
          "megatron_args": ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4",
                            "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "2",
-                           "--global-batch-size", "64", "--pipeline-schedule", "breadth-first-zb", "--zero-stage", "1"]},
+                           "--global-batch-size", "64", "--pipeline-schedule", "breadth-first-zb",
+                           "--zero-stage", "1"]},
         {"config": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                     "virtual_pipeline_model_parallel_size": 1, "data_parallel_size": 4, "micro_batch_size": 1,
                     "pipeline_schedule": "1f1b", "zero_stage": 3, "recompute": True, "num_micro_batches": 16,
@@ -205,7 +206,8 @@ def _plan_file(tmp_path: Path, plan: dict, name: str = "plan.json") -> Path:
 
 
 @needs_mlm
-def test_slurm_plan_trains_the_candidate_as_planned(subprocesses, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slurm_plan_trains_the_candidate_as_planned(subprocesses, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """--plan: the candidate's base and launch flags replace the script's model, layout, schedule, sharding and
     precision (the job's own training, checkpoint, logging and data flags stay); the project's check accepts them at
     the job's world size; a plan for other ranks, or an exported layout variable against it, is refused."""
@@ -233,7 +235,8 @@ def test_slurm_plan_trains_the_candidate_as_planned(subprocesses, tmp_path: Path
     assert (cfg.pipeline_schedule, cfg.zero_stage, cfg.pp) == ("1f1b", 3, 2)
 
     r = _run(["bash", str(script), "--dry-run", "--plan", str(plan)], NNODES="3", BFPP_SKIP_CHECK="1")
-    assert r.returncode != 0 and "candidate 1 runs on T x CP x P x D = 1 x 1 x 4 x 4 = 16 ranks, the launch on 24" in r.stderr
+    assert r.returncode != 0
+    assert "candidate 1 runs on T x CP x P x D = 1 x 1 x 4 x 4 = 16 ranks, the launch on 24" in r.stderr
     r = _run(["bash", str(script), "--dry-run", "--plan", str(plan)], NNODES="2", PP="8", BFPP_SKIP_CHECK="1")
     assert r.returncode != 0 and ("--pipeline-model-parallel-size 8 against candidate 1's "
                                   "--pipeline-model-parallel-size 4 (given beside --plan: PP=8 ") in r.stderr
@@ -614,7 +617,8 @@ def test_ab_dry_run_plan_and_stock_plan_checked_by_megatron(subprocesses, tmp_pa
         PLAN_1_3B["candidates"][0]["megatron_args"]
     assert flags["stock"][-len(STOCK_PLAN_1_3B["candidates"][0]["megatron_args"]):] == \
         STOCK_PLAN_1_3B["candidates"][0]["megatron_args"]
-    assert "megatron_bfpp.run_megatron_script" in cmds["ours"] and "megatron_bfpp.run_megatron_script" not in cmds["stock"]
+    runner = "megatron_bfpp.run_megatron_script"
+    assert runner in cmds["ours"] and runner not in cmds["stock"]
     from megatron_bfpp.megatron.check import parse_megatron_args
 
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")

@@ -13,33 +13,60 @@ added with --add-variant NAME=stock|plugin:"FLAGS", e.g. later schedules):
 - plugin-bf-distopt: `python -m megatron_bfpp.run_megatron_script`, --pipeline-schedule breadth-first with
   Megatron's own distributed optimizer and overlap flags (no --zero-stage): what the schedule buys;
 - plugin-bf-zero3: the script runner, --pipeline-schedule breadth-first --zero-stage 3: what the sharding adds;
-- plugin-izb-distopt, plugin-bfzb-zero3 (not in the default list): the split-backward schedules interleaved-zb
-  with Megatron's distributed optimizer and breadth-first-zb with ZeRO-3 (under gradient-accumulation fusion,
+- plugin-izb-distopt, plugin-bfzb-zero3, plugin-bfzb-distopt (not in the default list): the split-backward
+  schedules interleaved-zb with Megatron's distributed optimizer and breadth-first-zb with ZeRO-3 or Megatron's
+  distributed optimizer (under gradient-accumulation fusion,
   Megatron-LM's default, layers that cannot defer write main_grad at I, where ZeRO-3 then gives their stage its
   gradient buffer). Their W's move work only on layers
   that defer their weight GEMMs (Megatron-Core's local linears) and on TransformerEngine layers built with delay_wgrad_compute (TransformerEngine >= 2.7,
   2.8 with --overlap-grad-reduce); with an older TransformerEngine every W's work runs at its I, and these variants measure the
   split's overhead, not a gain (rank 0's log says how many linear layers deferred).
 
+From a plan (--plan PLAN.json [--candidate K], a `bfpp plan --json` output, K 1-based as it prints them, default
+1): the model, precision, features, layout and batch are the plan's, and the variants (default) are
+- ours: the candidate exactly, `pretrain_gpt.py <megatron_base_args> <its megatron_args>` (through the script
+  runner where they name the plugin's schedule or sharding);
+- stock: stock at the candidate's layout at its best, as above (the same T, P, CP, EP, stage split, micro-batch,
+  global batch, virtual stages where it can interleave, and the candidate's recomputation), or with --stock-plan
+  STOCK.json [--stock-candidate K] (a `bfpp plan --stock --json` output) that candidate exactly.
+The driver refuses, naming the flag, a plan file that is missing or not a plan (or a stock plan as --plan), a
+candidate it does not hold, a candidate whose world size (T x CP x P x D) is not the launch's, and what the
+command line sets otherwise: --model, --tp/--pp/--layers-per-stage/--mbs/--gbs, flags after -- or in
+--variant-flags ours=/stock= that the plan gives another value or that the candidate's launch flags own and it
+runs without. The driver's training settings (learning rate, ...) apply where the plan's flags set none; on
+--cpu-smoke the plan's bf16/fp16 is dropped (fp32).
+
 Every variant gets the same model-level settings: --bf16 (fp32 on --cpu-smoke), TransformerEngine layers when
 importable (else --transformer-impl local, with a note), and at T > 1 --sequence-parallel plus, with
 TransformerEngine, --tp-comm-overlap. Activation recomputation is off unless a variant needs it on the card:
 --variant-flags stock="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".
 
-Repetitions run interleaved (A B C A B C ...; --reps). Each run logs every iteration (--log-interval 1
---log-throughput --log-memory-interval 1); plugin variants also record a --timeline of their first iterations,
-from which the measured bubble is taken. A run that exits non-zero, or logs no iteration after --warmup, fails
-its variant, and so does a run that exits 0 before logging all of its --iters iterations, in any repetition:
-the variant is marked failed in the CSV and the PNG (no numbers are built from a partial log) and the driver
-exits 1 naming the variant, the repetition and the log. Every variant must train the same model as the baseline:
-lm loss and grad norm at every iteration both logged agree (--loss-rtol at the first, --loss-rtol-all at every
-one; bf16 tolerances by default), otherwise the driver exits 1.
+Repetitions (rounds) run interleaved (A B C A B C ...; --reps); each round's ratios to the baseline's run of the
+same round go to ab_rounds.csv and ab_rounds.md (drift between rounds hits every variant of a round alike).
+Each run logs every iteration (--log-interval 1 --log-throughput --log-memory-interval 1); plugin variants also
+record a --timeline of their first iterations, from which the measured bubble is taken. A run that exits
+non-zero, or logs no iteration after --warmup, fails its variant, and so does a run that exits 0 before logging
+all of its --iters iterations, in any repetition: the variant is marked failed in the CSV and the PNG (no numbers
+are built from a partial log) and the driver exits 1 naming the variant, the repetition and the log. Every
+variant must train the same model as the baseline: lm loss and grad norm at every iteration both logged agree
+(--loss-rtol at the first, --loss-rtol-all at every one; bf16 tolerances by default), otherwise the driver exits
+1. Where stock places layers on other pipeline ranks (M < P, or a stock plan of another layout), Megatron
+initialises them from other seeds: the grad norm is then compared at the first iteration only.
+
+--cpu-pair p2m1 is the measured CPU pair: 8 layers, hidden 384, sequence 256, P = 2, one micro-batch of 4
+(M = 1 < P); stock's 1F1B against interleaved-zb and breadth-first-zb at V = 2 with Megatron's distributed
+optimizer, three paired rounds of 10 iterations (3 left out), each rank pinned to a core of its own (the CPU
+shim's BFPP_CPU_CORES; refused where fewer cores than ranks are free), so that a rank's idle time is lost as on a
+GPU. --pin-cores does the same for any --cpu-smoke run.
 
 Outputs in --out: <variant>.rep<k>.log, ab_runs.json (what ran), ab_iterations.csv, ab_memory.csv (peak
 memory per rank), ab_summary.csv (per variant: status, medians over the repetitions' medians with min/max
 spread of tokens/s, elapsed ms and TFLOP/s per GPU, peak memory, measured bubble, first-iteration loss,
 deferred_linears: for split-backward variants how many of rank 0's linear layers deferred their weight GEMMs to
-W (0: W has no work, e.g. TransformerEngine older than 2.7), ratios to the best stock) and ab_megatron.png.
+W (0: W has no work, e.g. TransformerEngine older than 2.7), ratios to the best stock, the range of the
+per-round ratios), ab_rounds.csv and ab_rounds.md (per round and variant: tokens/s and the ratio to the baseline's
+run of that round; the markdown heads the table with the command, iterations, cores and load average) and
+ab_megatron.png.
 
     python scripts/ab_megatron.py --megatron-lm-dir ~/Megatron-LM --model 1.3b --gpus-per-node 8 --dry-run
     python scripts/ab_megatron.py --megatron-lm-dir ~/Megatron-LM --model 1.3b --gpus-per-node 8 --reps 3 --out ab-1.3b
@@ -48,6 +75,10 @@ W (0: W has no work, e.g. TransformerEngine older than 2.7), ratios to the best 
     python scripts/ab_megatron.py --cpu-smoke --out ab-cpu             # the real path on CPU (gloo, tiny GPT)
     python scripts/ab_megatron.py --cpu-smoke --model cpu-p4-m2 --variants stock,plugin-bf-distopt,plugin-izb-distopt \
         --out ab-cpu-m2                  # M = 2 < P = 4: stock runs 1F1B, ours breadth-first / interleaved-zb, V = 2
+    bfpp plan --model gpt-1.3b --hardware dgx-h100 --gpus 16 --json -- --global-batch-size 64 > plan.json
+    python scripts/ab_megatron.py --plan plan.json --candidate 1 --gpus-per-node 8 --nnodes 2 --out ab-plan
+    python scripts/ab_megatron.py --plan plan.json --stock-plan stock.json --gpus-per-node 8 --nnodes 2 --out ab-plan
+    python scripts/ab_megatron.py --cpu-pair p2m1 --out ab-cpu-p2m1   # the measured CPU pair (a quiet machine)
 """
 
 from __future__ import annotations
