@@ -70,22 +70,22 @@ bfpp_minutes() {
 # The flags that the layout variables stand for where the user exported them (the batch script's defaults are
 # not exported): what a --plan must not contradict.
 bfpp_exported_layout_flags() {
-  local v
+  local v value
   for v in TP PP LAYERS_PER_STAGE MBS GBS GROUP_SIZE SCHEDULE ZERO_STAGE RECOMPUTE; do
-    printenv "$v" >/dev/null || continue
+    value="$(printenv "$v")" || continue
     case "$v" in
-      TP) printf '%s\n' --tensor-model-parallel-size "$TP" ;;
-      PP) printf '%s\n' --pipeline-model-parallel-size "$PP" ;;
-      LAYERS_PER_STAGE) printf '%s\n' --num-layers-per-virtual-pipeline-stage "$LAYERS_PER_STAGE" ;;
-      MBS) printf '%s\n' --micro-batch-size "$MBS" ;;
-      GBS) printf '%s\n' --global-batch-size "$GBS" ;;
-      GROUP_SIZE) printf '%s\n' --microbatch-group-size-per-virtual-pipeline-stage "$GROUP_SIZE" ;;
-      SCHEDULE) printf '%s\n' --pipeline-schedule "$SCHEDULE" ;;
+      TP) printf '%s\n' --tensor-model-parallel-size "$value" ;;
+      PP) printf '%s\n' --pipeline-model-parallel-size "$value" ;;
+      LAYERS_PER_STAGE) printf '%s\n' --num-layers-per-virtual-pipeline-stage "$value" ;;
+      MBS) printf '%s\n' --micro-batch-size "$value" ;;
+      GBS) printf '%s\n' --global-batch-size "$value" ;;
+      GROUP_SIZE) printf '%s\n' --microbatch-group-size-per-virtual-pipeline-stage "$value" ;;
+      SCHEDULE) printf '%s\n' --pipeline-schedule "$value" ;;
       ZERO_STAGE)
-        if [ -n "$ZERO_STAGE" ]; then printf '%s\n' --zero-stage "$ZERO_STAGE"
+        if [ -n "$value" ]; then printf '%s\n' --zero-stage "$value"
         else printf '%s\n' --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather; fi ;;
       RECOMPUTE)
-        case "$RECOMPUTE" in
+        case "$value" in
           full) printf '%s\n' --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 ;;
           selective) printf '%s\n' --recompute-granularity selective ;;
         esac ;;
