@@ -6,8 +6,8 @@ overlaps) and `config` (every field); `stock` says whether it was a `bfpp plan -
 as `bfpp plan` prints them) launches as `pretrain_gpt.py <megatron_base_args> <megatron_args>` plus data, tokenizer
 and output flags.
 
-Pure, standard library only (the SLURM scripts call `python -m megatron_bfpp.megatron.ab.plan_file` before anything
-imports torch): nothing here starts a process.
+Pure and without torch or Megatron (the SLURM scripts run `python -m megatron_bfpp.megatron.ab.plan_file` in the
+batch shell, before any step): nothing here starts a process.
 """
 
 from __future__ import annotations
@@ -96,8 +96,7 @@ class PlannedRun:
     def plugin(self) -> bool:
         """Whether it runs the plugin (its flags name a schedule or a sharding of the plugin's)."""
         values = flag_values(self.args)
-        return any(f in values for f in PLUGIN_FLAGS if f != "--pipeline-schedule") or \
-            values.get("--pipeline-schedule", ("default",)) != ("default",)
+        return any(values.get(f, ("default",)) != ("default",) for f in PLUGIN_FLAGS)
 
     @property
     def schedule(self) -> str:
