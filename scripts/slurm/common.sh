@@ -137,7 +137,10 @@ bfpp_slurm_main() {
       if printenv "$v" >/dev/null; then where+="$v=${!v} "; fi
     done
     where+="EXTRA_ARGS, the script's arguments"
-    plan_out="$(PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" python -m megatron_bfpp.megatron.ab.plan_file \
+    # In the batch shell, outside any container: any Python 3, no packages needed.
+    local py=python3
+    command -v python3 >/dev/null 2>&1 || py=python
+    plan_out="$(PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$py" -m megatron_bfpp.megatron.ab.plan_file \
       --plan "$(bfpp_abs "$plan")" --candidate "$candidate" --world "$world" \
       --launch "$nnodes node(s) x $gpus GPU(s)" --launch-flags "$where" \
       -- ${given[@]+"${given[@]}"} ${env_extra[@]+"${env_extra[@]}"} ${extra[@]+"${extra[@]}"})" || exit 1
