@@ -8,6 +8,11 @@
 # Arguments:    --dry-run  print what will run (working directory, real script path, rendezvous, environment,
 #               directories, the preflight and training commands) after running the project's flag
 #               validation (python -m megatron_bfpp.megatron.check) here; start nothing.
+#               --plan PLAN.json [--candidate K]  train a `bfpp plan --json` candidate (K 1-based, default 1):
+#               its megatron_base_args and megatron_args replace the batch script's model, layout, schedule,
+#               sharding, batch, recomputation and precision (python -m megatron_bfpp.megatron.ab.plan_file
+#               checks it first: the job's ranks must be the candidate's T x CP x P x D, and the layout
+#               variables below, exported, and extra arguments must not conflict with it).
 #               Any other argument is appended to Megatron's flags.
 # Environment (all optional; relative paths are taken from the directory you submit from):
 #   MEGATRON_LM_DIR   Megatron-LM checkout (default: next to the project, $BFPP_ROOT/../Megatron-LM)
@@ -62,15 +67,47 @@ bfpp_minutes() {
   echo $(( 10#$d * 1440 + 10#$h * 60 + 10#$m ))
 }
 
-bfpp_slurm_main() {
-  local dry_run=0 arg
-  local -a extra=()
-  for arg in "$@"; do
-    case "$arg" in
-      --dry-run) dry_run=1 ;;
-      *) extra+=("$arg") ;;
+# The flags that the layout variables stand for where the user exported them (the batch script's defaults are
+# not exported): what a --plan must not contradict.
+bfpp_exported_layout_flags() {
+  local v value
+  for v in TP PP LAYERS_PER_STAGE MBS GBS GROUP_SIZE SCHEDULE ZERO_STAGE RECOMPUTE; do
+    value="$(printenv "$v")" || continue
+    case "$v" in
+      TP) printf '%s\n' --tensor-model-parallel-size "$value" ;;
+      PP) printf '%s\n' --pipeline-model-parallel-size "$value" ;;
+      LAYERS_PER_STAGE) printf '%s\n' --num-layers-per-virtual-pipeline-stage "$value" ;;
+      MBS) printf '%s\n' --micro-batch-size "$value" ;;
+      GBS) printf '%s\n' --global-batch-size "$value" ;;
+      GROUP_SIZE) printf '%s\n' --microbatch-group-size-per-virtual-pipeline-stage "$value" ;;
+      SCHEDULE) printf '%s\n' --pipeline-schedule "$value" ;;
+      ZERO_STAGE)
+        if [ -n "$value" ]; then printf '%s\n' --zero-stage "$value"
+        else printf '%s\n' --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather; fi ;;
+      RECOMPUTE)
+        case "$value" in
+          full) printf '%s\n' --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 ;;
+          selective) printf '%s\n' --recompute-granularity selective ;;
+        esac ;;
     esac
   done
+}
+
+bfpp_slurm_main() {
+  local dry_run=0 plan="" candidate=1
+  local -a extra=()
+  while [ "$#" -gt 0 ]; do
+    case "$1" in
+      --dry-run) dry_run=1 ;;
+      --plan) [ "$#" -ge 2 ] || bfpp_die "--plan needs a file (a bfpp plan --json output)"; plan="$2"; shift ;;
+      --plan=*) plan="${1#--plan=}" ;;
+      --candidate) [ "$#" -ge 2 ] || bfpp_die "--candidate needs a number (1-based)"; candidate="$2"; shift ;;
+      --candidate=*) candidate="${1#--candidate=}" ;;
+      *) extra+=("$1") ;;
+    esac
+    shift
+  done
+  if [ -z "$plan" ] && [ "$candidate" != 1 ]; then bfpp_die "--candidate needs --plan PLAN.json"; fi
 
   local root="${BFPP_ROOT:?the batch script sets BFPP_ROOT}"
   root="$(cd "$root" && pwd -P)" || bfpp_die "BFPP_ROOT=$BFPP_ROOT is not a directory"
@@ -88,14 +125,36 @@ bfpp_slurm_main() {
   local gpus="${GPUS_PER_NODE:-${SLURM_GPUS_PER_NODE:-8}}"
   gpus="${gpus##*:}"  # SLURM writes typed requests as TYPE:COUNT
   local world=$(( nnodes * gpus ))
-  if (( world % (TP * PP) != 0 )); then
+  local -a env_extra=()
+  if [ -n "${EXTRA_ARGS:-}" ]; then read -r -a env_extra <<< "$EXTRA_ARGS"; fi
+  # A plan's candidate: checked against the job (ranks, exported layout variables, extra flags) before anything.
+  local plan_flags=() plan_has_tokenizer=0 plan_has_impl=0 plan_name="" plan_summary="" plan_out
+  if [ -n "$plan" ]; then
+    local -a given=()
+    local v where=""
+    mapfile -t given < <(bfpp_exported_layout_flags)
+    for v in TP PP LAYERS_PER_STAGE MBS GBS GROUP_SIZE SCHEDULE ZERO_STAGE RECOMPUTE; do
+      if printenv "$v" >/dev/null; then where+="$v=${!v} "; fi
+    done
+    where+="EXTRA_ARGS, the script's arguments"
+    # In the batch shell, outside any container: any Python 3, no packages needed.
+    local py=python3
+    command -v python3 >/dev/null 2>&1 || py=python
+    plan_out="$(PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$py" -m megatron_bfpp.megatron.ab.plan_file \
+      --plan "$(bfpp_abs "$plan")" --candidate "$candidate" --world "$world" \
+      --launch "$nnodes node(s) x $gpus GPU(s)" --launch-flags "$where" \
+      -- ${given[@]+"${given[@]}"} ${env_extra[@]+"${env_extra[@]}"} ${extra[@]+"${extra[@]}"})" || exit 1
+    eval "$plan_out"
+  elif (( world % (TP * PP) != 0 )); then
     bfpp_die "$nnodes node(s) x $gpus GPU(s) = $world ranks is not a multiple of TP x PP = $TP x $PP = $(( TP * PP )):" \
       "submit with sbatch -N a multiple of $(( (TP * PP + gpus - 1) / gpus )) nodes, or change TP/PP"
   fi
-  local dp=$(( world / (TP * PP) ))
+  local dp=0
+  if [ -z "$plan" ]; then dp=$(( world / (TP * PP) )); fi
   local schedule="${SCHEDULE:-breadth-first}"
   local zero="${ZERO_STAGE-3}"
   local run="${RUN_NAME:-$MODEL_NAME-$schedule${zero:+-zero$zero}}"
+  if [ -n "$plan" ]; then run="${RUN_NAME:-$plan_name}"; fi
   local out
   out="$(bfpp_abs "${OUT_ROOT:-${SCRATCH:-$HOME}/megatron_bfpp-runs}")/$run"
   local ckpt logs
@@ -170,34 +229,44 @@ bfpp_slurm_main() {
   fi
   case "$impl" in local|transformer_engine) ;; *) bfpp_die "TRANSFORMER_IMPL=$impl: use auto, local or transformer_engine" ;; esac
 
-  local -a megatron=("${MODEL_ARGS[@]}"
-    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-    --num-layers-per-virtual-pipeline-stage "$LAYERS_PER_STAGE"
-    --micro-batch-size "$MBS" --global-batch-size "$GBS"
-    --pipeline-schedule "$schedule"
-    --transformer-impl "$impl"
-  )
-  if [ -n "$zero" ]; then
-    megatron+=(--zero-stage "$zero")
-  else  # Megatron's own distributed optimizer under the plugin's schedule
-    megatron+=(--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
-  fi
-  if (( TP > 1 )); then
-    megatron+=(--sequence-parallel)
-    if [ "$impl" = transformer_engine ] && [ "${TP_COMM_OVERLAP:-1}" != 0 ]; then megatron+=(--tp-comm-overlap); fi
-  fi
-  case "${RECOMPUTE:-none}" in
-    full) megatron+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1) ;;
-    selective) megatron+=(--recompute-granularity selective) ;;
-    none) ;;
-    *) bfpp_die "RECOMPUTE=$RECOMPUTE: use full, selective or none" ;;
-  esac
-  if [ -n "${GROUP_SIZE:-}" ]; then megatron+=(--microbatch-group-size-per-virtual-pipeline-stage "$GROUP_SIZE"); fi
-  if [ "${TIMELINE:-0}" = 1 ]; then megatron+=(--timeline "$logs/timeline.json"); fi
-  megatron+=(
-    --bf16
+  local -a training=(
     --lr 1.5e-4 --min-lr 1.5e-5 --lr-decay-style cosine --lr-warmup-iters 100 --weight-decay 0.1
     --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.006 --seed 1234
+  )
+  local -a megatron
+  if [ -n "$plan" ]; then
+    # The training defaults, then the plan's flags (where they set one, the plan's wins): model, precision,
+    # features, layout, schedule, sharding, batch, recomputation and overlaps as planned.
+    megatron=("${training[@]}" "${plan_flags[@]}")
+    if [ "$plan_has_impl" = 0 ]; then megatron+=(--transformer-impl "$impl"); fi
+  else
+    megatron=("${MODEL_ARGS[@]}"
+      --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+      --num-layers-per-virtual-pipeline-stage "$LAYERS_PER_STAGE"
+      --micro-batch-size "$MBS" --global-batch-size "$GBS"
+      --pipeline-schedule "$schedule"
+      --transformer-impl "$impl"
+    )
+    if [ -n "$zero" ]; then
+      megatron+=(--zero-stage "$zero")
+    else  # Megatron's own distributed optimizer under the plugin's schedule
+      megatron+=(--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
+    fi
+    if (( TP > 1 )); then
+      megatron+=(--sequence-parallel)
+      if [ "$impl" = transformer_engine ] && [ "${TP_COMM_OVERLAP:-1}" != 0 ]; then megatron+=(--tp-comm-overlap); fi
+    fi
+    case "${RECOMPUTE:-none}" in
+      full) megatron+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1) ;;
+      selective) megatron+=(--recompute-granularity selective) ;;
+      none) ;;
+      *) bfpp_die "RECOMPUTE=$RECOMPUTE: use full, selective or none" ;;
+    esac
+    if [ -n "${GROUP_SIZE:-}" ]; then megatron+=(--microbatch-group-size-per-virtual-pipeline-stage "$GROUP_SIZE"); fi
+  fi
+  if [ "${TIMELINE:-0}" = 1 ]; then megatron+=(--timeline "$logs/timeline.json"); fi
+  if [ -z "$plan" ]; then megatron+=(--bf16 "${training[@]}"); fi
+  megatron+=(
     --train-iters "$train_iters" --eval-interval 1000 --eval-iters 10
     --save "$ckpt" --load "$ckpt" --save-interval "$save_interval"
     --exit-signal-handler --exit-signal SIGUSR1
@@ -219,14 +288,12 @@ bfpp_slurm_main() {
       --merge-file "$(bfpp_abs "${MERGE_FILE:?set MERGE_FILE with DATA_PATH}")"
       # Index caches in the run directory: the data directory may be read-only.
       --data-cache-path "$(bfpp_abs "${DATA_CACHE_PATH:-$out/data-cache}")")
+  elif [ "$plan_has_tokenizer" = 1 ]; then
+    megatron+=(--mock-data)  # the plan's tokenizer and vocabulary
   else
     megatron+=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50257)
   fi
-  if [ -n "${EXTRA_ARGS:-}" ]; then
-    local -a env_extra=()
-    read -r -a env_extra <<< "$EXTRA_ARGS"
-    megatron+=(${env_extra[@]+"${env_extra[@]}"})
-  fi
+  megatron+=(${env_extra[@]+"${env_extra[@]}"})
   megatron+=(${extra[@]+"${extra[@]}"})
 
   local -a entry
@@ -241,9 +308,14 @@ bfpp_slurm_main() {
     --rdzv-id "$rdzv_id" --rdzv-backend c10d --rdzv-endpoint "$master_addr:$master_port"
     "${entry[@]}" "${megatron[@]}")
 
-  local m=$(( GBS / (MBS * dp) ))
-  local header="# $MODEL_NAME: $nnodes node(s) x $gpus GPU(s) = $world ranks: TP=$TP PP=$PP DP=$dp,"
-  header+=" $LAYERS_PER_STAGE layer(s) per virtual stage, global batch $GBS = $m micro-batch(es) of $MBS per DP rank"
+  local header
+  if [ -n "$plan" ]; then
+    header="# $plan_summary: $nnodes node(s) x $gpus GPU(s) = $world ranks"
+  else
+    local m=$(( GBS / (MBS * dp) ))
+    header="# $MODEL_NAME: $nnodes node(s) x $gpus GPU(s) = $world ranks: TP=$TP PP=$PP DP=$dp,"
+    header+=" $LAYERS_PER_STAGE layer(s) per virtual stage, global batch $GBS = $m micro-batch(es) of $MBS per DP rank"
+  fi
 
   if [ "$dry_run" = 1 ]; then
     echo "$header"

@@ -87,7 +87,8 @@ def test_slurm_arrays_safe_under_bash_42_set_u() -> None:
     """Bash < 4.4 treats "${a[@]}" of an empty array as unbound under `set -u`: arrays that can be empty are
     expanded as ${a[@]+"${a[@]}"}."""
     text = (ROOT / "scripts" / "slurm" / "common.sh").read_text()
-    never_empty = {"MODEL_ARGS", "megatron", "cmd", "step", "check", "entry", "probe", "envs", "blend", "data", "f"}
+    never_empty = {"MODEL_ARGS", "megatron", "cmd", "step", "check", "entry", "probe", "envs", "blend", "data", "f",
+                   "training", "plan_flags"}  # plan_flags: expanded under --plan only, where it holds the plan
     bare = {m.group(1) for m in re.finditer(r'(?<!\+)"\$\{(\w+)\[@\]\}"', text)}
     guard = '${a[@]+"${a[@]}"}'
     assert bare <= never_empty, f"expand these arrays as {guard}: {sorted(bare - never_empty)}"
@@ -154,6 +155,94 @@ def test_slurm_dry_run_is_a_valid_megatron_job(subprocesses, script: Path, tmp_p
     cfg = check(flags, world_size=nnodes * gpus)
     assert cfg.pipeline_schedule == "breadth-first" and cfg.zero_stage == 3 and cfg.vp >= 2
     assert min(cfg.train_microbatches) >= cfg.pp  # breadth-first wants M >= P (no extra bubble)
+
+
+# A `bfpp plan --json` output for the 1.3b GPT on 16 GPUs (two of its candidates, as the planner writes them).
+PLAN_1_3B = {
+    "megatron_base_args": ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+                           "--seq-length", "2048", "--max-position-embeddings", "2048", "--tokenizer-type",
+                           "NullTokenizer", "--vocab-size", "51200", "--untie-embeddings-and-output-weights", "--bf16"],
+    "candidates": [
+        {"config": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 4,
+                    "virtual_pipeline_model_parallel_size": 6, "data_parallel_size": 4, "micro_batch_size": 2,
+                    "pipeline_schedule": "breadth-first-zb", "zero_stage": 1, "recompute": False,
+                    "num_micro_batches": 8, "context_parallel_size": 1, "expert_model_parallel_size": 1},
+         "megatron_args": ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4",
+                           "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "2",
+                           "--global-batch-size", "64", "--pipeline-schedule", "breadth-first-zb",
+                           "--zero-stage", "1"]},
+        {"config": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                    "virtual_pipeline_model_parallel_size": 1, "data_parallel_size": 4, "micro_batch_size": 1,
+                    "pipeline_schedule": "1f1b", "zero_stage": 3, "recompute": True, "num_micro_batches": 16,
+                    "context_parallel_size": 1, "expert_model_parallel_size": 1},
+         "megatron_args": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                           "--micro-batch-size", "1", "--global-batch-size", "64", "--pipeline-schedule", "1f1b",
+                           "--zero-stage", "3", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "1"]},
+    ],
+    "stock": False,
+}
+STOCK_PLAN_1_3B = {
+    "megatron_base_args": PLAN_1_3B["megatron_base_args"],
+    "candidates": [
+        {"config": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 4,
+                    "virtual_pipeline_model_parallel_size": 3, "data_parallel_size": 4, "micro_batch_size": 1,
+                    "pipeline_schedule": "interleaved-1f1b", "zero_stage": 1, "recompute": False,
+                    "num_micro_batches": 16, "context_parallel_size": 1, "expert_model_parallel_size": 1},
+         "megatron_args": ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4",
+                           "--num-layers-per-virtual-pipeline-stage", "2", "--micro-batch-size", "1",
+                           "--global-batch-size", "64", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                           "--overlap-param-gather", "--overlap-param-gather-with-optimizer-step", "--ckpt-format",
+                           "torch", "--microbatch-group-size-per-virtual-pipeline-stage", "8"]},
+    ],
+    "stock": True,
+}
+
+
+def _plan_file(tmp_path: Path, plan: dict, name: str = "plan.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(plan))
+    return path
+
+
+@needs_mlm
+def test_slurm_plan_trains_the_candidate_as_planned(subprocesses, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """--plan: the candidate's base and launch flags replace the script's model, layout, schedule, sharding and
+    precision (the job's own training, checkpoint, logging and data flags stay); the project's check accepts them at
+    the job's world size; a plan for other ranks, or an exported layout variable against it, is refused."""
+    plan = _plan_file(tmp_path, PLAN_1_3B)
+    script = ROOT / "scripts" / "slurm" / "pretrain_13b.sbatch"  # any batch script: the plan is the model
+    lines, exports, cmd = _dry_run(script, "--plan", "plan.json", "--candidate", "2", cwd=tmp_path, NNODES="2",
+                                   HOME=str(tmp_path))
+    flags = _flags_after_script(cmd)
+    cand = PLAN_1_3B["candidates"][1]["megatron_args"]
+    base = PLAN_1_3B["megatron_base_args"]
+    i = flags.index("--num-layers")
+    assert flags[i: i + len(base) + len(cand)] == base + cand
+    assert flags.count("--bf16") == 1 and flags.count("--tensor-model-parallel-size") == 1
+    assert flags.count("--tokenizer-type") == 1 and "--mock-data" in flags  # the plan's tokenizer and vocabulary
+    assert "--num-layers-per-virtual-pipeline-stage" not in flags and _flag(flags, "--seed") == "1234"
+    assert lines[0].startswith(f"# {plan} candidate 2: T=2 P=2 V=1 D=4 b=1 M=16 1f1b ZeRO-3 recompute: 2 node(s)")
+    assert "plan-plan-c2/checkpoints" in _flag(flags, "--save")
+    head = {ln.split(":", 1)[0][2:].strip(): ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("# ")}
+    assert head["check"].startswith("ok: PluginConfig(pipeline_schedule='1f1b', zero_stage=3")
+    from megatron_bfpp.megatron.check import check
+
+    for k, v in exports.items():
+        monkeypatch.setenv(k, v)
+    cfg = check(flags, world_size=16)
+    assert (cfg.pipeline_schedule, cfg.zero_stage, cfg.pp) == ("1f1b", 3, 2)
+
+    r = _run(["bash", str(script), "--dry-run", "--plan", str(plan)], NNODES="3", BFPP_SKIP_CHECK="1")
+    assert r.returncode != 0
+    assert "candidate 1 runs on T x CP x P x D = 1 x 1 x 4 x 4 = 16 ranks, the launch on 24" in r.stderr
+    r = _run(["bash", str(script), "--dry-run", "--plan", str(plan)], NNODES="2", PP="8", BFPP_SKIP_CHECK="1")
+    assert r.returncode != 0 and ("--pipeline-model-parallel-size 8 against candidate 1's "
+                                  "--pipeline-model-parallel-size 4 (given beside --plan: PP=8 ") in r.stderr
+    r = _run(["bash", str(script), "--dry-run", "--plan", str(plan), "--candidate", "3"], NNODES="2",
+             BFPP_SKIP_CHECK="1")
+    assert r.returncode != 0 and "--candidate 3: " in r.stderr and "holds candidates 1 to 2" in r.stderr
 
 
 @needs_mlm
@@ -514,6 +603,33 @@ def test_ab_dry_run_split_backward_variants(subprocesses, monkeypatch: pytest.Mo
         assert args.pipeline_schedule in ("interleaved-zb", "breadth-first-zb")
 
 
+@needs_mlm
+def test_ab_dry_run_plan_and_stock_plan_checked_by_megatron(subprocesses, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """--plan with --stock-plan: ours runs its candidate's flags through the script runner, stock the stock plan's
+    candidate on the unmodified script; the project's check and Megatron's parser accept both at the world size."""
+    plan, stock = _plan_file(tmp_path, PLAN_1_3B), _plan_file(tmp_path, STOCK_PLAN_1_3B, "stock.json")
+    lines, cmds = _ab_dry_run("--plan", str(plan), "--stock-plan", str(stock), "--nnodes", "2", mlm=MEGATRON_LM_DIR)
+    assert list(cmds) == ["stock", "ours"]
+    assert sum(ln.startswith("# check ") and ": ok: PluginConfig(" in ln for ln in lines) == 2
+    flags = {v: _flags_after_script(c) for v, c in cmds.items()}
+    assert flags["ours"][-len(PLAN_1_3B["candidates"][0]["megatron_args"]) - 2:-2] == \
+        PLAN_1_3B["candidates"][0]["megatron_args"]
+    assert flags["stock"][-len(STOCK_PLAN_1_3B["candidates"][0]["megatron_args"]):] == \
+        STOCK_PLAN_1_3B["candidates"][0]["megatron_args"]
+    runner = "megatron_bfpp.run_megatron_script"
+    assert runner in cmds["ours"] and runner not in cmds["stock"]
+    from megatron_bfpp.megatron.check import parse_megatron_args
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    args = parse_megatron_args(flags["stock"], world_size=16)
+    assert args.virtual_pipeline_model_parallel_size == 3 and args.microbatch_group_size_per_vp_stage == 8
+    assert args.overlap_param_gather_with_optimizer_step and args.bf16 and args.vocab_size == 51200
+    r = _run([*AB, "--megatron-lm-dir", MEGATRON_LM_DIR, "--dry-run", "--no-check", "--plan", str(plan),
+              "--gpus-per-node", "4"])
+    assert r.returncode != 0 and "the launch on 4 (--nnodes 1 x --gpus-per-node 4)" in r.stderr
+
+
 def test_ab_dry_run_te_overlap_added_variant_and_bad_names(subprocesses) -> None:
     _, cmds = _ab_dry_run("--model", "13b", "--nnodes", "2", "--no-check", "--transformer-impl", "transformer_engine",
                           "--variants", "stock,plugin-bf-zero3,zb", "--stock-group-sizes", "8",
@@ -633,6 +749,21 @@ def test_ab_same_model_is_checked_over_every_iteration(subprocesses, tmp_path: P
     assert rows["plugin-bf-zero3"]["loss_check"] == f"mismatch: {problem} (stock)", rows["plugin-bf-zero3"]
     assert f"variant plugin-bf-zero3: {problem} against stock: the variants did not train the same model" in r.stderr
     assert rows["plugin-bf-distopt"]["loss_check"] == "ok"  # within the tolerance: test_ab_first_iteration_...
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_cpu_shim_pins_each_rank_to_its_core(subprocesses) -> None:
+    """BFPP_CPU_CORES (the driver's --cpu-pair / --pin-cores): the rank with LOCAL_RANK k runs on the k-th core
+    alone; a process without LOCAL_RANK (torchrun itself) keeps its cores."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    code = "import os; print(sorted(os.sched_getaffinity(0)))"
+    shim = dict(PYTHONPATH=f"{ROOT / 'tests' / 'support' / 'cpu_shim'}:{ROOT}", BFPP_CPU_SHIM="1",
+                BFPP_CPU_CORES=",".join(map(str, cores)))
+    r = _run([sys.executable, "-c", code], LOCAL_RANK="1", RANK="1", **shim)
+    assert r.returncode == 0 and r.stdout.strip() == str([cores[1]]), r.stderr
+    assert f"cpu shim: rank 1 pinned to core {cores[1]}" in r.stderr
+    r = _run([sys.executable, "-c", code], **shim)
+    assert r.stdout.strip() == str(sorted(os.sched_getaffinity(0))) and "pinned" not in r.stderr
 
 
 @needs_mlm

@@ -13,10 +13,10 @@ from megatron_bfpp.megatron.ab.commands import RunRecord
 
 
 def _options(*argv: str):
-    """The driver's options as its command line parses them (--cpu-smoke's settings applied, as main does)."""
+    """The driver's options as its command line parses them (the defaults, --cpu-pair's and --cpu-smoke's settings
+    applied, as main does)."""
     a = cli.build_parser().parse_args(list(argv))
-    if a.cpu_smoke:
-        cli.apply_cpu_smoke(a)
+    cli.apply_defaults(a)
     return a
 
 
@@ -108,7 +108,7 @@ def test_layout_and_stock_group_sizes() -> None:
     assert commands.stock_group_sizes(_options(), lay, 1) == []  # 1F1B takes none
     with pytest.raises(SystemExit, match=r"1 node\(s\) x 3 = 3 ranks is not a multiple of TP x PP = 4"):
         commands.layout(_options("--model", "1.3b", "--gpus-per-node", "3"))
-    with pytest.raises(SystemExit, match="4 layer\(s\) per virtual stage do not divide the 6 layers"):
+    with pytest.raises(SystemExit, match=r"4 layer\(s\) per virtual stage do not divide the 6 layers"):
         commands.layout(_options("--model", "1.3b", "--layers-per-stage", "4"))
 
 
@@ -383,3 +383,80 @@ def test_memory_per_rank_is_the_peak_over_repetitions() -> None:
 def test_parse_only_needs_the_run_record(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["--parse-only", "--out", str(tmp_path)]) == 2
     assert "ab_runs.json not found: run the driver first" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ the measured CPU pair
+
+def test_cpu_pair_p2m1_runs_stock_1f1b_against_both_split_backward_schedules_at_v2() -> None:
+    """--cpu-pair p2m1: 8 layers, hidden 384, sequence 256, P = 2, one micro-batch of 4 (M = 1 < P): stock runs 1F1B
+    without virtual stages, ours interleaved-zb and breadth-first-zb at V = 2, all with Megatron's distributed
+    optimizer; three rounds, one core per rank; what the command line gives stands."""
+    a = _options("--cpu-pair", "p2m1")
+    assert (a.cpu_smoke, a.pin_cores, a.model, a.mbs, a.reps, a.iters, a.warmup, a.gpus_per_node) == (
+        True, True, "cpu-p2-m1", 4, 3, 10, 3, 2)
+    lay = commands.layout(a)
+    assert (lay["layers"], lay["hidden"], lay["seq"], lay["pp"], lay["vp"], lay["m"], lay["gbs"]) == (
+        8, 384, 256, 2, 2, 1, 4)
+    flags, records = _planned("--cpu-pair", "p2m1")
+    assert [(r.variant, r.rep) for r in records] == [(v, k) for k in (1, 2, 3)
+                                                     for v in ("stock", "plugin-izb-distopt", "plugin-bfzb-distopt")]
+    own = {r.variant: _after_script(r.command)[len(flags):] for r in records}
+    dist_opt = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    vs = ["--num-layers-per-virtual-pipeline-stage", "2"]
+    assert own["stock"] == dist_opt
+    assert own["plugin-izb-distopt"][:6] == [*vs, "--pipeline-schedule", "interleaved-zb", *dist_opt[:2]]
+    assert own["plugin-bfzb-distopt"][:6] == [*vs, "--pipeline-schedule", "breadth-first-zb", *dist_opt[:2]]
+    assert _flag(flags, "--micro-batch-size") == "4" and _flag(flags, "--global-batch-size") == "4"
+    given = _options("--cpu-pair", "p2m1", "--reps", "1", "--iters", "4", "--variants", "stock,plugin-izb-distopt")
+    assert (given.reps, given.iters, given.variants) == (1, 4, "stock,plugin-izb-distopt")
+    with pytest.raises(SystemExit, match="--cpu-pair p2m1 runs --model cpu-p2-m1: drop --model cpu-p4-m2"):
+        _options("--cpu-pair", "p2m1", "--model", "cpu-p4-m2")
+
+
+def test_pinning_gives_each_rank_a_core_of_its_own() -> None:
+    assert commands.pin_cores(2, [5, 3, 1], "--cpu-pair p2m1") == [1, 3]
+    with pytest.raises(SystemExit, match=r"--cpu-pair p2m1 pins each of its 2 ranks to a core of its own, and this "
+                                         r"process may run on 1 core\(s\) \(0\): run it where 2 cores are free"):
+        commands.pin_cores(2, [0], "--cpu-pair p2m1")
+    a = _options("--cpu-smoke", "--pin-cores")
+    a.cores = [0, 1]
+    assert commands.run_env(a, "/opt/mlm")["BFPP_CPU_CORES"] == "0,1"
+    assert "BFPP_CPU_CORES" not in commands.run_env(_options("--cpu-smoke"), "/opt/mlm")
+
+
+def test_round_ratios_pair_each_run_with_the_baseline_of_its_round() -> None:
+    """Round k's ratio is a variant's tokens/s over the baseline's in round k (not over the median): drift between
+    rounds cancels. A failed run has no round; the summary gets each variant's range, ab_rounds.md the table."""
+    ms = {("stock", 1): 1000.0, ("a", 1): 900.0, ("b", 1): 800.0,
+          ("stock", 2): 2000.0, ("a", 2): 1600.0, ("b", 2): 1000.0}
+    runs = {key: _log(key[0], ms=v) for key, v in ms.items()}
+    records = [_record(v, rep, returncode=1 if (v, rep) == ("b", 2) else 0) for v, rep in ms]
+    rounds = report.round_ratios(records, runs, "stock", 2)
+    got = {(x["variant"], x["round"]): x["ratio_tokens_per_s"] for x in rounds}
+    assert got == {("stock", 1): 1.0, ("a", 1): pytest.approx(1000 / 900), ("b", 1): pytest.approx(1000 / 800),
+                   ("stock", 2): 1.0, ("a", 2): pytest.approx(2000 / 1600)}
+    rows, _ = _summary(runs, records)
+    report.with_round_ranges(rows, rounds)
+    a = next(r for r in rows if r["variant"] == "a")
+    assert (a["round_ratio_min"], a["round_ratio_max"]) == (pytest.approx(1000 / 900), pytest.approx(1.25))
+    text = report.rounds_markdown("T", rows, rounds, {"command": "python scripts/ab_megatron.py --cpu-pair p2m1",
+                                                      "descriptions": {"a": "schedule A"}, "iterations": 10,
+                                                      "warmup": 3, "cores": [0, 1], "load_before": [0.5, 0.4, 0.3]})
+    assert "| variant | what runs | round 1 | round 2 | range |" in text
+    assert "| stock |  | 16384 tok/s | 8192 tok/s | 1.00 |" in text
+    assert "| a | schedule A | 1.111 | 1.250 | 1.111-1.250 |" in text and "| b |  | failed | failed | failed |" in text
+    assert "`python scripts/ab_megatron.py --cpu-pair p2m1`" in text and "load average before: 0.50 0.40 0.30" in text
+
+
+def test_layers_placed_apart_compare_the_grad_norm_at_the_first_iteration_only() -> None:
+    """Stock without the layout's virtual stages initialises some layers from other seeds: the loss curve must agree,
+    the grad norm only before the first update."""
+    base = _log("stock")
+    later = _log("p")
+    later.iterations[3]["grad_norm"] *= 1.1
+    assert report.same_model_problem(later, base, 5e-3, 2e-2, placed_alike=False) is None
+    assert report.same_model_problem(later, base, 5e-3, 2e-2).startswith("grad norm 1.3574 vs 1.234 at iteration 4")
+    assert report.same_model_problem(_log("p", gnorm=1.5), base, 5e-3, 2e-2, placed_alike=False).startswith(
+        "grad norm 1.5 vs 1.234 at iteration 1")
+    assert report.same_model_problem(_log("p", drift=0.05), base, 5e-3, 2e-2, placed_alike=False).startswith(
+        "lm loss")

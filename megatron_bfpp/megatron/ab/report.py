@@ -1,6 +1,6 @@
 """The A/B driver's report: which runs count, per-variant medians and spread over the repetitions, ratios to the
-best stock run, the same-model check, and the files (ab_iterations.csv, ab_memory.csv, ab_summary.csv,
-ab_megatron.png)."""
+best stock run (over the medians, and round by round), the same-model check, and the files (ab_iterations.csv,
+ab_memory.csv, ab_summary.csv, ab_rounds.csv, ab_rounds.md, ab_megatron.png)."""
 
 from __future__ import annotations
 
@@ -88,8 +88,10 @@ def measured_bubble(timeline: str | None) -> float | None:
 
 
 def summarize(variants: list[str], records: list[RunRecord], logs: dict[tuple[str, int], RunLog | None],
-              warmup: int, loss_rtol: float, loss_rtol_all: float) -> tuple[list[dict], list[str]]:
-    """One summary row per variant and the list of errors (failed variants, loss mismatch)."""
+              warmup: int, loss_rtol: float, loss_rtol_all: float,
+              placed_alike: bool = True) -> tuple[list[dict], list[str]]:
+    """One summary row per variant and the list of errors (failed variants, loss mismatch); `placed_alike`: see
+    `same_model_problem`."""
     rows, errors = [], []
     first_runs: dict[str, RunLog] = {}
     for v in variants:
@@ -134,7 +136,7 @@ def summarize(variants: list[str], records: list[RunRecord], logs: dict[tuple[st
             r["loss_check"] = ""
             continue
         ours, theirs = first_runs[r["variant"]], first_runs[base["variant"]]
-        problem = same_model_problem(ours, theirs, loss_rtol, loss_rtol_all)
+        problem = same_model_problem(ours, theirs, loss_rtol, loss_rtol_all, placed_alike)
         if problem is None:
             r["loss_check"] = "ok"
         elif problem.startswith("no "):
@@ -147,11 +149,15 @@ def summarize(variants: list[str], records: list[RunRecord], logs: dict[tuple[st
     return rows, errors
 
 
-def same_model_problem(run: RunLog, base: RunLog, rtol_first: float, rtol_all: float) -> str | None:
+def same_model_problem(run: RunLog, base: RunLog, rtol_first: float, rtol_all: float,
+                       placed_alike: bool = True) -> str | None:
     """Whether two runs trained the same model: lm loss and grad norm at every iteration both logged, within
     `rtol_first` at the first and `rtol_all` at every one (None: they agree). One iteration's loss alone is a weak
     test: every freshly initialised GPT of a vocabulary starts near ln(vocabulary); the later iterations and the
-    gradient norms depend on the weights and the data."""
+    gradient norms depend on the weights and the data. Where the runs build some layers on other pipeline ranks
+    (not `placed_alike`: stock without the layout's virtual stages), Megatron initialises those layers from other
+    seeds: the loss curves are compared at every iteration, the grad norm at the first only (after an update it
+    follows each run's own weights)."""
     theirs = {x["iteration"]: x for x in base.iterations}
     common = [(x, theirs[x["iteration"]]) for x in run.iterations if x["iteration"] in theirs]
     if not common or common[0][0].get("lm_loss") is None or common[0][1].get("lm_loss") is None:
@@ -159,12 +165,84 @@ def same_model_problem(run: RunLog, base: RunLog, rtol_first: float, rtol_all: f
     for k, (x, y) in enumerate(common):
         rtol, which = (rtol_first, "--loss-rtol") if k == 0 else (rtol_all, "--loss-rtol-all")
         for key, what, printed in (("lm_loss", "lm loss", 0.0), ("grad_norm", "grad norm", GRAD_NORM_PRINTED_STEP)):
+            if key == "grad_norm" and k > 0 and not placed_alike:
+                continue
             a, b = x.get(key), y.get(key)
             if a is None or b is None:
                 continue  # not logged (grad norm: some Megatron-LM logging settings leave it out)
             if abs(a - b) > rtol * abs(b) + printed:
                 return f"{what} {a:.6g} vs {b:.6g} at iteration {x['iteration']} (beyond {which} {rtol:g})"
     return None
+
+
+def round_ratios(records: list[RunRecord], logs: dict[tuple[str, int], RunLog | None], baseline: str,
+                 warmup: int) -> list[dict]:
+    """Per round (repetition) and counted run: its median tokens/s and its ratio to the baseline's run of the same
+    round. Rounds run the variants back to back (A B C, A B C, ...), so drift between rounds hits every variant of a
+    round alike and a round's ratio leaves it out."""
+    def tokens(r: RunRecord) -> float | None:
+        run = logs.get((r.variant, r.rep))
+        if run is None or run_failure(r, run, warmup):
+            return None
+        return run_metrics(run, warmup)["tokens_per_s"]
+
+    base = {r.rep: tokens(r) for r in records if r.variant == baseline}
+    rows = []
+    for r in records:
+        t, b = tokens(r), base.get(r.rep)
+        if t is not None:
+            rows.append({"round": r.rep, "variant": r.variant, "tokens_per_s": t, "baseline": baseline,
+                         "ratio_tokens_per_s": t / b if b else None})
+    return rows
+
+
+def with_round_ranges(summary: list[dict], rounds: list[dict]) -> None:
+    """Each summary row gains the smallest and largest of its rounds' ratios to the baseline."""
+    for row in summary:
+        ratios = [x["ratio_tokens_per_s"] for x in rounds
+                  if x["variant"] == row["variant"] and x["ratio_tokens_per_s"] is not None]
+        row["round_ratio_min"] = min(ratios) if ratios else None
+        row["round_ratio_max"] = max(ratios) if ratios else None
+
+
+def rounds_markdown(title: str, summary: list[dict], rounds: list[dict], context: dict | None) -> str:
+    """ab_rounds.md: per variant, each round's throughput ratio to the baseline's run of that round and their range
+    (the baseline's row: its tokens/s)."""
+    context = context or {}
+    numbers = sorted({x["round"] for x in rounds})
+    lines = [f"# {title}", ""]
+    if context.get("command"):
+        lines += [f"`{context['command']}`", ""]
+    facts = []
+    if context.get("iterations") is not None:
+        facts.append(f"{context['iterations']} iterations per run, the first {context.get('warmup')} left out")
+    if context.get("cores"):
+        facts.append("rank k on core " + ", ".join(map(str, context["cores"])) + " (k = 0, 1, ...)")
+    for key, when in (("load_before", "before"), ("load_after", "after")):
+        if context.get(key):
+            facts.append(f"load average {when}: " + " ".join(f"{x:.2f}" for x in context[key]))
+    if facts:
+        lines += ["; ".join(facts) + ".", ""]
+    base = summary[0].get("baseline", "") if summary else ""
+    lines += [f"Throughput (tokens/s, median of each run's timed iterations) over {base}'s in the same round:", "",
+              "| variant | what runs | " + " | ".join(f"round {k}" for k in numbers) + " | range |",
+              "|---|---|" + "---|" * len(numbers) + "---|"]
+    descriptions = context.get("descriptions", {})
+    for row in summary:
+        v = row["variant"]
+        cells = {x["round"]: x for x in rounds if x["variant"] == v}
+        if v == base:
+            shown = [f"{cells[k]['tokens_per_s']:.0f} tok/s" if k in cells else "-" for k in numbers]
+            span = "1.00"
+        elif row["status"] != "ok":
+            shown, span = ["failed"] * len(numbers), "failed"
+        else:
+            shown = [f"{cells[k]['ratio_tokens_per_s']:.3f}" if k in cells and cells[k]["ratio_tokens_per_s"]
+                     else "-" for k in numbers]
+            lo, hi = row.get("round_ratio_min"), row.get("round_ratio_max")
+            span = f"{lo:.3f}-{hi:.3f}" if lo is not None else "-"
+        lines.append(f"| {v} | {descriptions.get(v, '')} | " + " | ".join(shown) + f" | {span} |")
+    return "\n".join(lines) + "\n"
 
 
 def memory_per_rank(variants: list[str], records: list[RunRecord], logs: dict) -> list[dict]:
@@ -238,13 +316,16 @@ def plot(summary: list[dict], path: Path, title: str) -> None:
 
 
 def analyse(out: Path, vs_names: list[str], records: list[RunRecord], seq: int, title: str, warmup: int,
-            loss_rtol: float, loss_rtol_all: float) -> int:
-    """Parse every run's log, write the CSVs and the PNG, print the summary and the errors; 1 when any."""
+            loss_rtol: float, loss_rtol_all: float, context: dict | None = None, placed_alike: bool = True) -> int:
+    """Parse every run's log, write the CSVs, the rounds' table and the PNG, print the summary and the errors; 1
+    when any. `context` (what ran: command, descriptions, iterations, cores, load) heads ab_rounds.md."""
     logs: dict[tuple[str, int], RunLog | None] = {}
     for r in records:
         p = Path(r.log)
         logs[(r.variant, r.rep)] = parse_log(p.read_text(errors="replace"), r.variant, seq) if p.is_file() else None
-    rows, errors = summarize(vs_names, records, logs, warmup, loss_rtol, loss_rtol_all)
+    rows, errors = summarize(vs_names, records, logs, warmup, loss_rtol, loss_rtol_all, placed_alike)
+    rounds = round_ratios(records, logs, rows[0]["baseline"], warmup) if rows and rows[0]["baseline"] else []
+    with_round_ranges(rows, rounds)
     iterations = []
     for r in records:
         run = logs.get((r.variant, r.rep))
@@ -252,11 +333,16 @@ def analyse(out: Path, vs_names: list[str], records: list[RunRecord], seq: int, 
     write_csv(out / "ab_iterations.csv", iterations)
     write_csv(out / "ab_memory.csv", memory_per_rank(vs_names, records, logs))
     write_csv(out / "ab_summary.csv", rows)
+    write_csv(out / "ab_rounds.csv", rounds)
+    (out / "ab_rounds.md").write_text(rounds_markdown(title, rows, rounds, context))
     plot(rows, out / "ab_megatron.png", title)
     for s in rows:
         print(", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items() if k != "logs"))
-    print(f"wrote {out}/ab_summary.csv, ab_iterations.csv, ab_memory.csv, ab_megatron.png")
+    for x in rounds:
+        if x["variant"] != x["baseline"] and x["ratio_tokens_per_s"] is not None:
+            print(f"round {x['round']}: {x['variant']} / {x['baseline']} = {x['ratio_tokens_per_s']:.3f}")
+    print(f"wrote {out}/ab_summary.csv, ab_rounds.csv, ab_rounds.md, ab_iterations.csv, ab_memory.csv, "
+          f"ab_megatron.png")
     for e in errors:
         print(f"error: {e}", file=sys.stderr)
     return 1 if errors else 0
-

@@ -25,6 +25,9 @@ except the dataset helpers' build step:
   helpers run eagerly);
 - `megatron.core.datasets.utils.compile_helpers` does nothing and `megatron.core.datasets.helpers_cpp` falls
   back to the extension built into the installed megatron-core wheel (a source checkout has no built helpers).
+- with `BFPP_CPU_CORES=c0,c1,...` (the A/B driver's `--cpu-pair`, `--pin-cores`) the rank with LOCAL_RANK k runs on
+  core c_k alone (`os.sched_setaffinity`, before torch starts a thread), and says so on stderr; processes without
+  LOCAL_RANK (torchrun itself) are left as they are.
 
 Never imported by the package: on GPU, Megatron runs as it is. Unrelated to `tests/support/megatron_cpu_shim.py`, which
 patches only the stock pipeline schedules inside one process.
@@ -46,6 +49,17 @@ if os.environ.get("BFPP_CPU_SHIM") == "1":
     import importlib.util
     import sys
     import types
+
+    _cores = os.environ.get("BFPP_CPU_CORES")
+    if _cores and "LOCAL_RANK" in os.environ:
+        _local = int(os.environ["LOCAL_RANK"])
+        _core_list = [int(c) for c in _cores.split(",")]
+        if _local >= len(_core_list):
+            raise RuntimeError(f"BFPP_CPU_CORES={_cores} names {len(_core_list)} core(s), not one for local rank "
+                               f"{_local}")
+        os.sched_setaffinity(0, {_core_list[_local]})
+        print(f"cpu shim: rank {os.environ.get('RANK', _local)} pinned to core {_core_list[_local]}", file=sys.stderr,
+              flush=True)
 
     # torch.compile'd helpers (Megatron's fused bias-GeLU warm-up, ...) would target CUDA: run them eagerly.
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
