@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ..schedule import SCHEDULE_NAMES, ScheduleError
 from ..schedule.kinds import KINDS, megatron_kind
-from .costs import ADAM_BYTES_PER_PARAM, Config, memory_breakdown, sharded_params, stage_times
+from .costs import ADAM_BYTES_PER_PARAM, Config, least_stage_times, memory_breakdown, sharded_params
 from .hardware import GIB, Hardware
 from .model import EVEN_STAGES, ModelProfile, Partition, StageSplit, stage_layer_counts
 from .predict import Prediction, check_config, config_dict, memory, predict
@@ -66,6 +66,7 @@ class SearchSpace:
     fp8: str | None = None
     tp_comm_overlap: bool = False
     moe_a2a_overlap: bool = False
+    paired_moe_a2a_overlap: bool = False
     recompute_num_layers: int | None = None
     selective_recompute: bool = False
     grad_reduce_bf16: bool = False
@@ -80,6 +81,7 @@ class SearchSpace:
         """The Config fields every candidate shares."""
         return dict(etp=self.etp, sequence_parallel=self.sequence_parallel, attention=self.attention, fp8=self.fp8,
                     tp_comm_overlap=self.tp_comm_overlap, moe_a2a_overlap=self.moe_a2a_overlap,
+                    paired_moe_a2a_overlap=self.paired_moe_a2a_overlap,
                     recompute_num_layers=self.recompute_num_layers, selective_recompute=self.selective_recompute,
                     grad_reduce_bf16=self.grad_reduce_bf16, weight_buffers=self.weight_buffers,
                     grad_buffers=self.grad_buffers)
@@ -113,7 +115,8 @@ def stock_space(space: SearchSpace = SearchSpace()) -> SearchSpace:
         raise ValueError(f"stock Megatron at its best uses its distributed optimizer (ZeRO-{STOCK_ZERO_STAGE}), "
                          f"not among the ZeRO stages searched ({', '.join(map(str, space.zero_stages))})")
     return dataclasses.replace(space, schedules=schedules, zero_stages=(STOCK_ZERO_STAGE,), dp_overlap=True,
-                               p2p_overlap=True, w_reruns_input_grad=False, w_at_input_grad=False, stock=True)
+                               p2p_overlap=True, w_reruns_input_grad=False, w_at_input_grad=False, stock=True,
+                               paired_moe_a2a_overlap=False)  # the plugin's paired order is not stock's
 
 
 STOCK = stock_space()
@@ -228,9 +231,7 @@ class _Bounds:
         rank, the last rank's fill, one micro-batch's chain) and an optimizer outside the schedule. Cheap enough
         to rank every configuration before simulating; `engine.step_lower_bound_s` is the tighter bound of a
         built schedule under its full costs (hops and collectives too)."""
-        t = stage_times(self.hw, part, cfg.micro_batch_size, cfg.recompute, cfg.split_backward,
-                        cfg.w_reruns_input_grad, cfg.w_at_input_grad, cfg.recompute_num_layers,
-                        cfg.selective_recompute)
+        t = least_stage_times(self.hw, part, cfg)  # what the paired order hides of an action taken off
         pp, n = cfg.pp, part.num_stages
         work = [cfg.microbatches * sum(t.forward[s] + t.backward[s] for s in range(r, n, pp)) for r in range(pp)]
         # The last rank cannot start before the forwards of stages 0 .. P-2 ran upstream, and after its last
