@@ -78,7 +78,7 @@ def add_p2p(schedule: Schedule) -> Schedule:
                 raise ScheduleError(f"add_p2p expects only compute actions, found rank {r} step {i}: {a.text}")
     pp = schedule.pp
     computes = schedule.ranks
-    merged = [pairs_of(schedule.pairing, acts) for acts in computes]  # first -> partner (the next compute)
+    merged = [pairs_of(schedule, r) for r in range(pp)]  # first -> partner (the next compute)
     pc = [0] * pp
     free_at = [0.0] * pp  # end of the rank's current compute
     # (kind, consumer rank) -> (producing stage, microbatch) of the messages produced and not yet transferred

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .ir import COMPUTE_OPS, Action, Op, ScheduleError
+from .ir import COMPUTE_OPS, Action, Op, Schedule, ScheduleError
 
 PAIRED = "paired"
 COMBINED_1F1B = "combined-1f1b"
@@ -54,33 +54,30 @@ def back_to_back_pairs(actions: Sequence[Action]) -> dict[int, int]:
     return pairs
 
 
-def combined_1f1b_pairs(actions: Sequence[Action]) -> dict[int, int]:
-    """`COMBINED_1F1B`: index of the first action of each pair -> index of its partner: a forward and a backward of
-    different micro-batches run one after the other, taken in order: in Megatron's order its steady state. A rank
-    whose forwards all come before its backwards has none (every micro-batch in its warm-up)."""
-    pairs: dict[int, int] = {}
-    ops = [a.op for a in actions]
-    if Op.B not in ops or Op.F not in ops or len(ops) - ops[::-1].index(Op.F) - 1 < ops.index(Op.B):
-        return pairs
-    prev: int | None = None
-    for i, a in enumerate(actions):
-        if a.op not in COMPUTE_OPS:
-            continue
-        p = actions[prev] if prev is not None else None
-        if p is not None and {p.op, a.op} == {Op.F, Op.B} and p.microbatch != a.microbatch:
-            pairs[prev] = i  # type: ignore[index]
-            prev = None
-            continue
-        prev = i
-    return pairs
+def combined_1f1b_pairs(schedule: Schedule, rank: int, actions: Sequence[Action]) -> dict[int, int]:
+    """`COMBINED_1F1B` on `rank` of `schedule` (Megatron's order): index of the first action of each pair -> index
+    of its partner. Interleaved: each forward after the rank's warm-up with the backward after it (the warm-up one
+    longer than its interleaved 1F1B's, capped by its V x M forwards: Megatron's `get_pp_rank_microbatches`);
+    without a pipeline, each backward with the next forward."""
+    from .builders import interleaved_warmup
+
+    idx = [i for i, a in enumerate(actions) if a.op in COMPUTE_OPS]
+    if schedule.vp == 1:
+        return {idx[k]: idx[k + 1] for k in range(1, len(idx) - 1, 2)}  # F0 | B0 F1 | B1 F2 | ... | B(M-1)
+    total = schedule.vp * schedule.microbatches
+    warmup = min(interleaved_warmup(schedule.pp, rank, schedule.vp, schedule.microbatches,
+                                    schedule.group_size or schedule.pp) + 1, total)
+    return {idx[warmup + 2 * k]: idx[warmup + 2 * k + 1] for k in range(total - warmup)}
 
 
-def pairs_of(pairing: str | None, actions: Sequence[Action]) -> dict[int, int]:
-    """The pairs of a rank's `actions` under `pairing` (None: no pairs)."""
-    if pairing is None:
+def pairs_of(schedule: Schedule, rank: int, actions: Sequence[Action] | None = None) -> dict[int, int]:
+    """The pairs of `rank`'s `actions` (default: its list in `schedule`) under the schedule's pairing (none
+    without one)."""
+    actions = schedule.ranks[rank] if actions is None else actions
+    if schedule.pairing is None:
         return {}
-    if pairing == PAIRED:
+    if schedule.pairing == PAIRED:
         return back_to_back_pairs(actions)
-    if pairing == COMBINED_1F1B:
-        return combined_1f1b_pairs(actions)
-    raise ScheduleError(f"unknown pairing {pairing!r}: one of {', '.join(PAIRINGS)}")
+    if schedule.pairing == COMBINED_1F1B:
+        return combined_1f1b_pairs(schedule, rank, actions)
+    raise ScheduleError(f"unknown pairing {schedule.pairing!r}: one of {', '.join(PAIRINGS)}")

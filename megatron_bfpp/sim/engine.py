@@ -17,6 +17,13 @@ Each pipeline rank runs its action list in order on three streams:
   stage). With `dp_overlap` off
   (Megatron-LM 2022) every collective holds the compute stream, and ZeRO-0/1 gradient reductions run after
   the last backward of the rank, as Megatron did then.
+Merged pairs (`Schedule.pairing`, `schedule.pairs`: the plugin's paired order, Megatron's combined 1F1B): a pair
+of computations whose all-to-alls hide runs as one, when the compute stream is free and both inputs, the first's
+parameters (and the partner's, if another stage's) are there; each hides min(its expert all-to-all, the partner's
+cover: `Costs.moe_cover_*`) of its own, so the pair takes the two computations less what each hides, never less
+than their all-to-alls together (they still run one after the other on the network) nor than their computations
+together. Both outputs are ready when the pair ends. Actions outside a pair, and pairs with nothing to hide, run
+one at a time with their all-to-all exposed (`EngineResult.exposed_moe_a2a_s`).
 End of step: all ranks meet after their compute and outstanding REDUCEs (the optimizer needs every gradient
 and a global gradient norm). Then, for a schedule without STEP actions (an optimizer outside the schedule:
 stock Megatron's), they run the optimizer (slowest rank), and with ZeRO-1/2 and `dp_overlap` off all-gather
@@ -590,7 +597,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
     pairs = []
     for r in range(pp):
         body = sched.ranks[r][:body_end[r]]
-        pairs.append({i: j for i, j in pairs_of(sched.pairing, body).items()
+        pairs.append({i: j for i, j in pairs_of(sched, r, body).items()
                       if hidden(body[i], body[j]) + hidden(body[j], body[i]) > 0})
     remaining = set(range(pp))
     while remaining:
