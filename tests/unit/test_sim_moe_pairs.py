@@ -22,6 +22,7 @@ from megatron_bfpp.sim import Config, Costs, analytic_costs, get_hardware, predi
     step_lower_bound_s
 from megatron_bfpp.sim.costs import memory_breakdown
 from megatron_bfpp.sim.model import ModelProfile
+from megatron_bfpp.sim.planner import _Bounds
 from megatron_bfpp.sim.predict import check_config, schedule_for
 import tests.support.megatron_parser  # noqa: F401  (Megatron's parser: imported once, at collection)
 
@@ -189,6 +190,10 @@ def test_moe_costs_and_prediction_with_pairs() -> None:
     part = paired.partition(MOE)
     assert memory_breakdown(part, paired, 0, 0.0)["working"] == pytest.approx(
         2 * memory_breakdown(part, cfg, 0, 0.0)["working"])
+    # The planner's throughput bound takes off what pairs may hide: one rank, every action paired, stays below.
+    one = Config(1, 1, 2, 4, 1, 4, "breadth-first", 1, False, None, ep=4, paired_moe_a2a_overlap=True)
+    p = predict(MOE, H100, one)
+    assert p.paired_actions == 16 and _Bounds(MOE, H100).step_lower_bound(one, one.partition(MOE)) <= p.step_time_s
 
 
 def test_no_simulated_pairing_beats_the_lower_bound() -> None:
@@ -209,6 +214,11 @@ def test_no_simulated_pairing_beats_the_lower_bound() -> None:
         assert res.step_time_s >= step_lower_bound_s(sched, costs) - 1e-9, spec
         checked += 1
     assert checked > 30
+    # One rank, every action in a pair: its work, each action less what its partner hides, is the step exactly.
+    for kind, vp in (("gpipe", 1), ("breadth-first", 2)):
+        sched = ScheduleSpec(kind, 1, vp, 4, pairing=PAIRED).build()
+        costs = _costs(sched.num_stages, 1)
+        assert simulate_schedule(sched, costs).step_time_s == pytest.approx(step_lower_bound_s(sched, costs), rel=1e-12)
 
 
 # ------------------------------------------------------------------ the flags
