@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 from .ir import Action, Op, Schedule, ScheduleError
-from .pairs import COMBINED_1F1B
 
 
 def check_common(pp: int, vp: int, microbatches: int) -> None:
@@ -118,21 +117,19 @@ def interleaved_1f1b(pp: int, vp: int, microbatches: int, group_size: int, forwa
 
 
 def combined_1f1b(pp: int, vp: int, microbatches: int, group_size: int | None) -> Schedule:
-    """Megatron-Core's order under --overlap-moe-expert-parallel-comm, whose steady-state forward and backward
-    run merged (`pairs.COMBINED_1F1B`): its interleaved 1F1B with one more warm-up forward on every rank, so that
-    each merged forward and backward are independent (`get_pp_rank_microbatches` in
+    """Megatron-Core's order under --overlap-moe-expert-parallel-comm, whose steady-state forward and backward run
+    merged (`pairs.COMBINED_1F1B`, which `kinds.build` sets): its interleaved 1F1B with one more warm-up forward on
+    every rank, so that each merged forward and backward are independent (`get_pp_rank_microbatches` in
     megatron/core/pipeline_parallel/schedules.py); without a pipeline its 1F1B (the first forward alone, then
     each backward with the next forward: `combined_1f1b_schedule_for_no_pipelining`). Megatron-Core refuses it
     at P > 1 without virtual stages (TransformerConfig)."""
     if vp > 1:
-        sched = interleaved_1f1b(pp, vp, microbatches, group_size, False, extra_warmup=1)  # type: ignore[arg-type]
-    elif pp == 1:
-        sched = one_f_one_b(pp, vp, microbatches, None, False)
-    else:
-        raise ScheduleError(f"--overlap-moe-expert-parallel-comm at --pipeline-model-parallel-size {pp} needs virtual "
-                            "stages (Megatron-Core: 'virtual_pipeline_model_parallel_size must be specified when "
-                            "pipeline_model_parallel_size > 1'): add --num-layers-per-virtual-pipeline-stage")
-    return dataclasses.replace(sched, pairing=COMBINED_1F1B)
+        return interleaved_1f1b(pp, vp, microbatches, group_size, False, extra_warmup=1)  # type: ignore[arg-type]
+    if pp == 1:
+        return one_f_one_b(pp, vp, microbatches, None, False)
+    raise ScheduleError(f"--overlap-moe-expert-parallel-comm at --pipeline-model-parallel-size {pp} needs virtual "
+                        "stages (Megatron-Core: 'virtual_pipeline_model_parallel_size must be specified when "
+                        "pipeline_model_parallel_size > 1'): add --num-layers-per-virtual-pipeline-stage")
 
 
 def _check_breadth_first(pp: int, microbatches: int, group_size: int) -> None:

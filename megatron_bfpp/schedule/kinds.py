@@ -142,6 +142,6 @@ def build(
         if not kind.megatron_order:
             raise ScheduleError(f"--overlap-moe-expert-parallel-comm runs Megatron-Core's combined 1F1B, which only its "
                                 f"own schedules have (1f1b, interleaved-1f1b), not {name}")
-        return builders.combined_1f1b(pp, vp, microbatches, group)
+        return dataclasses.replace(builders.combined_1f1b(pp, vp, microbatches, group), pairing=pairing)
     sched = kind.builder(pp, vp, microbatches, group, forward_only)
     return dataclasses.replace(sched, pairing=pairing) if pairing is not None and not forward_only else sched

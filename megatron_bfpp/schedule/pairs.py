@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .builders import interleaved_warmup
 from .ir import COMPUTE_OPS, Action, Op, Schedule, ScheduleError
 
 PAIRED = "paired"
@@ -59,8 +60,6 @@ def combined_1f1b_pairs(schedule: Schedule, rank: int, actions: Sequence[Action]
     of its partner. Interleaved: each forward after the rank's warm-up with the backward after it (the warm-up one
     longer than its interleaved 1F1B's, capped by its V x M forwards: Megatron's `get_pp_rank_microbatches`);
     without a pipeline, each backward with the next forward."""
-    from .builders import interleaved_warmup
-
     idx = [i for i, a in enumerate(actions) if a.op in COMPUTE_OPS]
     if schedule.vp == 1:
         return {idx[k]: idx[k + 1] for k in range(1, len(idx) - 1, 2)}  # F0 | B0 F1 | B1 F2 | ... | B(M-1)
