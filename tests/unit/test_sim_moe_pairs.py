@@ -14,7 +14,7 @@ from megatron_bfpp.megatron.plan_flags import SearchOptions, read_plan
 from megatron_bfpp.megatron.sim_flags import FlagError, read_run
 from megatron_bfpp.megatron.validation import ConfigError, validate_args
 from megatron_bfpp.runtime import forward_backward as fb
-from megatron_bfpp.schedule import Action, Op, ScheduleError, ScheduleSpec
+from megatron_bfpp.schedule import Action, Op, Schedule, ScheduleError, ScheduleSpec, from_json, to_json
 from megatron_bfpp.schedule.builders import interleaved_warmup
 from megatron_bfpp.schedule.kinds import KINDS
 from megatron_bfpp.schedule.pairs import COMBINED_1F1B, PAIRED, PAIRED_NOT_RUN, back_to_back_pairs, pairs_of
@@ -90,6 +90,7 @@ def test_one_stage_three_micro_batches_by_hand() -> None:
     assert res.paired_actions == [4] and res.compute_s == pytest.approx([7.4])
     spans = {e.name: e.end - e.start for e in res.events if e.stream == "compute"}
     assert spans["F0:2"] == pytest.approx(1.0) and spans["B0:2"] == pytest.approx(2.0)  # unpaired: nothing hidden
+    assert Schedule.from_text(sched.to_text()).pairing == PAIRED == from_json(to_json(sched)).pairing
     unpaired = simulate_schedule(ScheduleSpec("gpipe", 1, 1, 3).build(), costs)
     assert unpaired.step_time_s == pytest.approx(9.0) and unpaired.exposed_moe_a2a_s == pytest.approx([2.7])
     assert unpaired.paired_actions == [0]
