@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(PATH with .rank<R> before the extension); `python -m megatron_bfpp.megatron.timeline PATH` merges them "
         "into a Chrome trace at PATH. Needs a --pipeline-schedule other than default.",
     )
+    group.add_argument(
+        "--paired-moe-a2a-overlap", action="store_true",
+        help="Simulated only (bfpp simulate, bfpp plan; a launch refuses it): the paired order, in which two "
+        "forwards (or backwards) of one stage that the schedule runs back to back run merged, each micro-batch's "
+        "expert-parallel all-to-all behind the other's compute of the same layer. Needs a --pipeline-schedule "
+        "other than default.",
+    )
     return parser
 
 

@@ -217,6 +217,9 @@ def _experts(space: SearchSpace, model: ModelProfile, args, notes: list[str]) ->
         if space.moe_a2a_overlap:
             raise FlagError("--overlap-moe-expert-parallel-comm: Megatron-LM supports it only with expert model "
                             "parallelism of an MoE model (--num-experts)")
+        if space.paired_moe_a2a_overlap:
+            raise FlagError("--paired-moe-a2a-overlap hides the expert-parallel all-to-all: it needs an MoE model "
+                            "(--num-experts)")
         return space
     check_dispatcher(args, max(eps or (1,)))
     if args.moe_token_dispatcher_type == "allgather":
@@ -225,6 +228,9 @@ def _experts(space: SearchSpace, model: ModelProfile, args, notes: list[str]) ->
         eps = (1,)
     if space.moe_a2a_overlap:
         eps = tuple(e for e in (eps or _divisors(model.num_experts)) if e > 1)  # Megatron needs EP > 1 for it
+    if space.paired_moe_a2a_overlap:
+        notes.append("--paired-moe-a2a-overlap: the paired order is simulated only; a launch refuses it (the runtime "
+                     "has no merged execution of two micro-batches)")
     return dataclasses.replace(space, ep_sizes=eps)
 
 
@@ -273,6 +279,9 @@ def _schedules_and_sharding(space: SearchSpace, found: dict[str, list[str]], giv
         changes.update(zero_stages=(1 if args.use_distributed_optimizer else 0,),
                        dp_overlap=bool(args.overlap_grad_reduce), stock_optimizer=True)
     elif stock_only:  # Megatron's schedules run Megatron's DDP or distributed optimizer
+        if space.paired_moe_a2a_overlap:
+            raise FlagError("--paired-moe-a2a-overlap is the paired order of the plugin's schedules: drop "
+                            "--pipeline-schedule default, or use --overlap-moe-expert-parallel-comm")
         if zeros:
             raise FlagError("--zero-stage needs megatron_bfpp's schedule runtime: --pipeline-schedule default is "
                             "Megatron's own; drop one")
@@ -300,4 +309,7 @@ def _stock(space: SearchSpace, found: dict[str, list[str]], given: set[str], opt
         raise FlagError("--stock is Megatron at its best, every overlap on: drop --no-overlap-p2p-communication")
     if options.split_backward_w != "wgrad-only":
         raise FlagError("--stock runs no split backward: drop --split-backward-w")
+    if space.paired_moe_a2a_overlap:
+        raise FlagError("--stock runs Megatron's own schedules, which have no paired order: drop "
+                        "--paired-moe-a2a-overlap (stock overlaps with --overlap-moe-expert-parallel-comm)")
     return stock_space(dataclasses.replace(space, zero_stages=ZERO_STAGES, stock_optimizer=False))

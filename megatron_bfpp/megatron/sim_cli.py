@@ -157,6 +157,10 @@ def _simulate(argv: list[str]) -> int:
             ("peak memory", f"{pred.peak_memory_gib:.1f} GiB ({'fits' if pred.fits else 'does NOT fit'} in "
                             f"{hw.usable_memory_bytes / 2**30:.1f} GiB usable)")]
     rows += [(f"  {k}", f"{v:.2f} GiB") for k, v in pred.memory_gib.items() if k != "total"]
+    if model.is_moe and cfg.ep > 1:
+        rows.append(("exposed all-to-all", f"{pred.exposed_moe_a2a_s:.4f} s, {pred.paired_actions} actions merged"
+                     + (" (paired order: simulated only, a launch refuses it)" if cfg.paired_moe_a2a_overlap else
+                        " (Megatron's combined 1F1B)" if cfg.moe_a2a_overlap else "")))
     if cfg.split_backward:
         rows.append(("pending W's (peak)", f"{max(pred.peak_pending_weight_grads)} per rank, their operands in "
                                            "activations" + (" (W re-runs dgrad)" if cfg.w_reruns_input_grad else

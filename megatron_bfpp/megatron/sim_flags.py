@@ -274,6 +274,7 @@ def layer_settings(args: argparse.Namespace, given: set[str]) -> dict:
         fp8=args.fp8_recipe if args.fp8 else None,
         tp_comm_overlap="--tp-comm-overlap" in given,
         moe_a2a_overlap=bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
+        paired_moe_a2a_overlap=bool(getattr(args, "paired_moe_a2a_overlap", False)),
         # block: the first N layers of each stage; uniform: every layer (groups of N share one kept input).
         recompute_num_layers=args.recompute_num_layers if full and args.recompute_method == "block" else None,
         selective_recompute=args.recompute_granularity == "selective",
@@ -335,7 +336,7 @@ def read_run(flags: Sequence[str], gpus: int, hw: Hardware, name: str | None = N
     refuse_unmodelled_flags(given_flags(flags))
     args = parse_flags(flags, gpus, hw)
     refuse_unmodelled(args)
-    validate_args(args)  # the plugin's checks: --zero-stage with Megatron's optimizer flags, the schedule's shape
+    validate_args(args, simulated=True)  # the plugin's checks: --zero-stage with Megatron's optimizer flags, ...
     return model_profile(args, name), run_config(args, given_flags(flags))
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from megatron_bfpp.schedule import ScheduleError, ScheduleSpec
 from megatron_bfpp.schedule.kinds import SPLIT_BACKWARD_SCHEDULES, megatron_kind
+from megatron_bfpp.schedule.pairs import PAIRED_NOT_RUN
 
 from .flags import DEFAULT_BUFFERS, PIPELINE_SCHEDULES
 
@@ -356,9 +357,10 @@ def check_before_megatron(args: argparse.Namespace) -> None:
         )
 
 
-def validate_args(args: argparse.Namespace) -> PluginConfig:
+def validate_args(args: argparse.Namespace, simulated: bool = False) -> PluginConfig:
     """Validate Megatron-LM's parsed and validated `args` (after Megatron's own `validate_args`) with the plugin's
-    flags; return the resolved configuration or raise one `ConfigError` naming the flags and the fix."""
+    flags; return the resolved configuration or raise one `ConfigError` naming the flags and the fix.
+    `simulated`: the flags describe a run for the simulator, which also models --paired-moe-a2a-overlap."""
     if not hasattr(args, "pipeline_schedule"):
         raise ConfigError(
             "the arguments lack --pipeline-schedule: parse them with "
@@ -379,6 +381,14 @@ def validate_args(args: argparse.Namespace) -> PluginConfig:
     timeline = _flag(args, "timeline")
     runtime = schedule != "default"
 
+    if _flag(args, "paired_moe_a2a_overlap", False):
+        if not runtime:
+            raise ConfigError(
+                "--paired-moe-a2a-overlap is the paired order of the plugin's schedules: add --pipeline-schedule "
+                "breadth-first (or another of the plugin's), or use --overlap-moe-expert-parallel-comm (Megatron's "
+                "combined 1F1B) under --pipeline-schedule default")
+        if not simulated:
+            raise ConfigError(PAIRED_NOT_RUN)
     if not runtime:
         for value, flag in ((zero, "--zero-stage"), (timeline, "--timeline")):
             if value is not None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import SCHEDULE_NAMES, Schedule, ScheduleSpec
+from ..schedule.pairs import PAIRED_NOT_RUN
 from ..sharded.ddp import ShardedDataParallel
 from ..sharded.driver import ShardedDriver
 from .executor import ScheduleExecutor
@@ -56,6 +57,8 @@ def last_run_stats() -> dict:
 # A memo of a pure function of the (frozen) spec, not state: nothing ever needs it forgotten.
 @functools.lru_cache(maxsize=64)
 def _cached_schedule(spec: ScheduleSpec) -> Schedule:
+    if spec.pairing is not None:  # the order of merged actions is the simulator's; the runtime runs one at a time
+        raise ValueError(PAIRED_NOT_RUN)
     return spec.build(lowered=True)
 
 

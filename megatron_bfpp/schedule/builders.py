@@ -85,8 +85,10 @@ def _check_interleaved(pp: int, microbatches: int, group_size: int) -> None:
         )
 
 
-def interleaved_1f1b(pp: int, vp: int, microbatches: int, group_size: int, forward_only: bool) -> Schedule:
-    """Depth-first: Megatron-Core's interleaved 1F1B order, with its micro-batch group size."""
+def interleaved_1f1b(pp: int, vp: int, microbatches: int, group_size: int, forward_only: bool,
+                     extra_warmup: int = 0) -> Schedule:
+    """Depth-first: Megatron-Core's interleaved 1F1B order, with its micro-batch group size (`extra_warmup` more
+    warm-up forwards on every rank: its combined 1F1B, `combined_1f1b`)."""
     g = group_size
     _check_interleaved(pp, microbatches, g)
     table = megatron_schedule_table(microbatches, vp, g)
@@ -105,13 +107,29 @@ def interleaved_1f1b(pp: int, vp: int, microbatches: int, group_size: int, forwa
         if forward_only:
             ranks.append([fwd(r, k) for k in range(total)])
             continue
-        warmup = interleaved_warmup(pp, r, vp, microbatches, g)
+        warmup = min(interleaved_warmup(pp, r, vp, microbatches, g) + extra_warmup, total)
         acts = [fwd(r, k) for k in range(warmup)]
         for k in range(total - warmup):
             acts += [fwd(r, warmup + k), bwd(r, k)]
         acts += [bwd(r, k) for k in range(total - warmup, total)]
         ranks.append(acts)
     return Schedule("interleaved-1f1b", pp, vp, microbatches, g, ranks, forward_only=forward_only)
+
+
+def combined_1f1b(pp: int, vp: int, microbatches: int, group_size: int | None) -> Schedule:
+    """Megatron-Core's order under --overlap-moe-expert-parallel-comm, whose steady-state forward and backward run
+    merged (`pairs.COMBINED_1F1B`, which `kinds.build` sets): its interleaved 1F1B with one more warm-up forward on
+    every rank, so that each merged forward and backward are independent (`get_pp_rank_microbatches` in
+    megatron/core/pipeline_parallel/schedules.py); without a pipeline its 1F1B (the first forward alone, then
+    each backward with the next forward: `combined_1f1b_schedule_for_no_pipelining`). Megatron-Core refuses it
+    at P > 1 without virtual stages (TransformerConfig)."""
+    if vp > 1:
+        return interleaved_1f1b(pp, vp, microbatches, group_size, False, extra_warmup=1)  # type: ignore[arg-type]
+    if pp == 1:
+        return one_f_one_b(pp, vp, microbatches, None, False)
+    raise ScheduleError(f"--overlap-moe-expert-parallel-comm at --pipeline-model-parallel-size {pp} needs virtual "
+                        "stages (Megatron-Core: 'virtual_pipeline_model_parallel_size must be specified when "
+                        "pipeline_model_parallel_size > 1'): add --num-layers-per-virtual-pipeline-stage")
 
 
 def _check_breadth_first(pp: int, microbatches: int, group_size: int) -> None:

@@ -23,7 +23,7 @@ def to_json_dict(schedule: Schedule) -> dict:
         "ranks": [[a.to_dict() for a in acts] for acts in schedule.ranks],
         "peak_activations": peak_activations(schedule),
     } | ({} if schedule.w_needs_weights else {"w_needs_weights": False}) | (
-        {"i_writes_grads": True} if schedule.i_writes_grads else {})
+        {"i_writes_grads": True} if schedule.i_writes_grads else {}) | ({"pairing": schedule.pairing} if schedule.pairing else {})
 
 
 def to_json(schedule: Schedule) -> str:
@@ -36,7 +36,7 @@ def from_json_dict(d: dict) -> Schedule:
     except (KeyError, TypeError, ValueError) as e:
         raise ScheduleError(f"bad schedule JSON: {e}: expected {{'ranks': [[{{'op','stage','microbatch'}}]]}}")
     header = {k: d[k] for k in ("pp", "vp", "microbatches", "group_size", "zero_stage", "w_needs_weights",
-                                   "i_writes_grads") if k in d}
+                                   "i_writes_grads", "pairing") if k in d}
     if "schedule" in d:
         header["schedule"] = d["schedule"]
     return _schedule_from_parts(header, ranks)

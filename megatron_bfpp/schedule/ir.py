@@ -159,6 +159,9 @@ class Schedule:
     # True when an I writes its stage's gradient buffer (fused accumulation into main_grad): ZeRO-2/3 then
     # hold a stage's gradient buffer from its first I, not its first W.
     i_writes_grads: bool = False
+    # How actions run merged two at a time (`pairs.PAIRINGS`; None: one at a time): the p2p lowering posts a
+    # pair's two inputs before it and its two outputs after it.
+    pairing: str | None = None
     meta: dict = field(default_factory=dict)
 
     @property
@@ -224,7 +227,7 @@ class Schedule:
             f"group_size={self.group_size} zero_stage={self.zero_stage} lowered={int(self.lowered)} "
             f"forward_only={int(self.forward_only)} weight_buffers={self.weight_buffers} "
             f"grad_buffers={self.grad_buffers}" + ("" if self.w_needs_weights else " w_needs_weights=0")
-            + (" i_writes_grads=1" if self.i_writes_grads else "")
+            + (" i_writes_grads=1" if self.i_writes_grads else "") + (f" pairing={self.pairing}" if self.pairing else "")
         )
 
     def to_text(self) -> str:
@@ -286,4 +289,5 @@ def _schedule_from_parts(header: dict, ranks: dict[int, list[Action]]) -> Schedu
         grad_buffers=int(header.get("grad_buffers", 2)),
         w_needs_weights=str(header.get("w_needs_weights", 1)).lower() not in ("0", "false"),
         i_writes_grads=str(header.get("i_writes_grads", 0)).lower() in ("1", "true"),
+        pairing=header.get("pairing") or None,
     )

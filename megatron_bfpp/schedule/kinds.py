@@ -8,12 +8,14 @@ default all derive from `KINDS`: a new kind is one entry here and its builder.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import builders
 from .ir import Schedule, ScheduleError
+from .pairs import COMBINED_1F1B, PAIRINGS
 
 # (P, V, M, group size, forward-only) -> the kind's compute order; see `builders`.
 Builder = Callable[[int, int, int, Any, bool], Schedule]
@@ -126,9 +128,20 @@ def build(
     microbatches: int,
     group_size: int | None = None,
     forward_only: bool = False,
+    pairing: str | None = None,
 ) -> Schedule:
-    """Build the F/B order of schedule `name` for P = pp ranks, V = vp stages per rank, M micro-batches."""
+    """Build the F/B order of schedule `name` for P = pp ranks, V = vp stages per rank, M micro-batches, its
+    actions merged two at a time as `pairing` says (`pairs.PAIRINGS`; a training order only)."""
     kind = schedule_kind(name)
     builders.check_common(pp, vp, microbatches)
     kind.check(vp, group_size)
-    return kind.builder(pp, vp, microbatches, kind.group_size_for(pp, microbatches, group_size), forward_only)
+    group = kind.group_size_for(pp, microbatches, group_size)
+    if pairing is not None and pairing not in PAIRINGS:
+        raise ScheduleError(f"unknown pairing {pairing!r}: one of {', '.join(PAIRINGS)}")
+    if pairing == COMBINED_1F1B and not forward_only:
+        if not kind.megatron_order:
+            raise ScheduleError(f"--overlap-moe-expert-parallel-comm runs Megatron-Core's combined 1F1B, which only its "
+                                f"own schedules have (1f1b, interleaved-1f1b), not {name}")
+        return dataclasses.replace(builders.combined_1f1b(pp, vp, microbatches, group), pairing=pairing)
+    sched = kind.builder(pp, vp, microbatches, group, forward_only)
+    return dataclasses.replace(sched, pairing=pairing) if pairing is not None and not forward_only else sched

@@ -27,6 +27,7 @@ import dataclasses
 
 from .ir import COMPUTE_OPS, INPUT_GRAD_OPS, P2P_OPS, Action, Op, Schedule, ScheduleError, grad_write_ops, weight_ops
 from .kinds import KINDS
+from .pairs import pairs_of
 
 
 # Nominal compute durations used to decide where transfers go (the order, not the timing, is what matters).
@@ -63,6 +64,9 @@ def add_p2p(schedule: Schedule) -> Schedule:
     other, at the same point of the sequence). The consumer keeps received inputs until its compute needs
     them. Consecutive transfers of one rank at the same instant on the same channel are posted as one
     batch. `validate` re-checks the result against the NCCL models.
+
+    With a pairing (`Schedule.pairing`, `pairs`) each pair runs as one compute that needs both inputs before it
+    starts and produces both outputs when it ends.
     """
     if schedule.lowered:
         return schedule
@@ -74,6 +78,7 @@ def add_p2p(schedule: Schedule) -> Schedule:
                 raise ScheduleError(f"add_p2p expects only compute actions, found rank {r} step {i}: {a.text}")
     pp = schedule.pp
     computes = schedule.ranks
+    merged = [pairs_of(schedule, r) for r in range(pp)]  # first -> partner (the next compute)
     pc = [0] * pp
     free_at = [0.0] * pp  # end of the rank's current compute
     # (kind, consumer rank) -> (producing stage, microbatch) of the messages produced and not yet transferred
@@ -116,17 +121,18 @@ def add_p2p(schedule: Schedule) -> Schedule:
                 if not avail[r] or pc[r] == len(computes[r]):
                     continue
                 a = computes[r][pc[r]]
-                need = _needs(schedule, a)
-                if need is not None and need not in inbox[r]:
-                    continue  # idle until the input arrives
-                if need is not None:
-                    inbox[r].discard(need)
-                out[r].append((a, (t, round_)))
-                pc[r] += 1
-                free_at[r] = t + NOMINAL[a.op]
-                msg = _message(schedule, a)
-                if msg is not None:
-                    produced_at[r].append((free_at[r], msg))
+                unit = (a, computes[r][pc[r] + 1]) if merged[r] and pc[r] in merged[r] else (a,)  # or a pair
+                needs = [n for n in (_needs(schedule, x) for x in unit) if n is not None]
+                if needs and any(n not in inbox[r] for n in needs):
+                    continue  # idle until the inputs arrive
+                inbox[r].difference_update(needs)
+                pc[r] += len(unit)
+                free_at[r] = t + sum(NOMINAL[x.op] for x in unit)
+                for x in unit:
+                    out[r].append((x, (t, round_)))
+                    msg = _message(schedule, x)
+                    if msg is not None:
+                        produced_at[r].append((free_at[r], msg))
                 progressed = True
         upcoming = [free_at[r] for r in range(pp) if free_at[r] > t]
         upcoming += [p[0][0] for p in produced_at if p and p[0][0] > t]
@@ -134,7 +140,8 @@ def add_p2p(schedule: Schedule) -> Schedule:
             if done():
                 break
             stuck = [f"rank {r} waits at {computes[r][pc[r]].text}" for r in range(pp) if pc[r] < len(computes[r])]
-            raise ScheduleError("compute order cannot complete: " + "; ".join(stuck))
+            raise ScheduleError((f"the {schedule.pairing} pairing's " if schedule.pairing else "")
+                                + "compute order cannot complete: " + "; ".join(stuck))
         t = min(upcoming)
     return dataclasses.replace(schedule, ranks=[_batch(acts) for acts in out], lowered=True)
 

@@ -45,6 +45,9 @@ class ScheduleSpec:
     # The optimizer step as STEP actions at the end of a training schedule with data-parallel actions (the
     # plugin's sharded optimizer); False for an optimizer outside the schedule (stock Megatron's, simulated).
     optimizer_step: bool = _setting("optimizer step", True, lowering=True)
+    # Actions run merged two at a time (`pairs.PAIRINGS`: the plugin's paired order, simulated only, or the order
+    # of Megatron's combined 1F1B); None: one at a time.
+    pairing: str | None = _setting("pairing", None)
 
     @property
     def schedule_kind(self) -> ScheduleKind:
@@ -64,7 +67,8 @@ class ScheduleSpec:
 
     def order(self) -> Schedule:
         """The kind's order of compute actions (its builder's checks; not validated)."""
-        return build(self.kind, self.pp, self.vp, self.microbatches, self.group_size, self.forward_only)
+        return build(self.kind, self.pp, self.vp, self.microbatches, self.group_size, self.forward_only,
+                     self.pairing)
 
     def lower(self, order: Schedule) -> Schedule:
         """`order` (this spec's) with p2p actions, and data-parallel ones when `zero_stage` is set."""

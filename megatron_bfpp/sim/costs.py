@@ -36,16 +36,18 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..schedule import COMPUTE_OPS, Op, Schedule
 from ..schedule.ir import INPUT_GRAD_OPS
 from ..schedule.kinds import SPLIT_BACKWARD_SCHEDULES
+from ..schedule.pairs import COMBINED_1F1B, PAIRED
 from .hardware import Hardware
 from .layer_costs import (ADAM_BYTES_PER_PARAM, GRAD_BYTES, PARAM_BYTES, all_to_all_time, embedding_ops, gemm_time,
                           group_span, head_ops, layer_ops, p2p_time, ring_time)
 from .model import EVEN_STAGES, ModelProfile, Partition, StageSplit
 
+MOE_FIELDS = ("moe_a2a_forward", "moe_a2a_backward", "moe_a2a_recomputed", "moe_cover_forward", "moe_cover_backward")
 FP8_WEIGHT_COPY_BYTES = 2  # TransformerEngine's FP8 weight copy and its transpose (Hopper), per parameter
 
 
@@ -198,6 +200,81 @@ def stage_times(hw: Hardware, part: Partition, b: int, recompute: bool = False, 
     return StageTimes(tuple(fwd), tuple(bwd), tuple(inp), tuple(wgt))
 
 
+@dataclass(frozen=True)
+class StageA2A:
+    """Per stage, for one micro-batch: the seconds of expert-parallel all-to-all inside its F and its backward (B,
+    or I where split: W has none) that a merged partner can hide, those of the backward's recomputed forwards
+    (never hidden: a conservative choice), and the compute of its MoE layers behind which a partner's all-to-all
+    can run (`OpTimes.a2a_cover`; an I's without the weight-gradient GEMMs it leaves to W)."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    recomputed: tuple[float, ...]
+    cover_forward: tuple[float, ...]
+    cover_backward: tuple[float, ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_a2a_times(hw: Hardware, part: Partition, b: int, recompute: bool = False,
+                    recompute_num_layers: int | None = None, input_grad_only: bool = False) -> StageA2A:
+    """Every stage's all-to-all and the compute that may cover a partner's (`StageA2A`), summed over its MoE
+    layers; `input_grad_only`: the backward is split and its I pairs."""
+    per_layer: tuple[float, float, float, float] | None = None
+    cols: tuple[list[float], ...] = ([], [], [], [], [])
+    for s in range(part.num_stages):
+        f = bw = rc = cf = cb = 0.0
+        for n, i in enumerate(part.stage_layers(s)):
+            if not part.model.is_moe_layer(i):
+                continue
+            if per_layer is None:  # every MoE layer costs the same
+                ops = layer_ops(hw, part, b, i)
+                cover_f, cover_b, cover_w = ops.a2a_cover
+                per_layer = (ops.fwd.get("moe_a2a", 0.0), ops.bwd.get("moe_a2a", 0.0), cover_f,
+                             cover_b - cover_w if input_grad_only else cover_b)
+            lf, lb, lcf, lcb = per_layer
+            f, bw, cf, cb = f + lf, bw + lb, cf + lcf, cb + lcb
+            if recompute and (recompute_num_layers is None or n < recompute_num_layers):
+                rc += lf
+        for col, v in zip(cols, (f, bw, rc, cf, cb)):
+            col.append(v)
+    return StageA2A(*(tuple(c) for c in cols))
+
+
+def config_a2a_times(hw: Hardware, part: Partition, cfg: "Config") -> StageA2A:
+    """`stage_a2a_times` of `cfg`: its recomputation and split backward."""
+    return stage_a2a_times(hw, part, cfg.micro_batch_size, cfg.recompute,
+                           cfg.recompute_num_layers if cfg.recompute else None,
+                           cfg.split_backward and not cfg.w_at_input_grad)
+
+
+def most_hidden(pairing: str | None, a2a_forward: Sequence[float], a2a_backward: Sequence[float],
+                cover_forward: Sequence[float], cover_backward: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Per stage, the most of one F's and one backward's all-to-all that a partner hides under `pairing`
+    (`schedule.pairs`): its all-to-all up to the partner's cover, the partner an action of the same op and stage
+    (the paired order) or, in Megatron's combined 1F1B, a backward (forward) of any stage."""
+    n = len(a2a_forward)
+    if pairing is None:
+        return [0.0] * n, [0.0] * n
+    if pairing == COMBINED_1F1B:
+        cover_f, cover_b = [max(cover_backward, default=0.0)] * n, [max(cover_forward, default=0.0)] * n
+    else:
+        cover_f, cover_b = list(cover_forward), list(cover_backward)
+    return ([min(a, c) for a, c in zip(a2a_forward, cover_f)], [min(a, c) for a, c in zip(a2a_backward, cover_b)])
+
+
+def least_stage_times(hw: Hardware, part: Partition, cfg: "Config") -> StageTimes:
+    """`stage_times` of `cfg`, less the most a partner hides of each F, B and I's all-to-all under its pairing:
+    the least each takes in any order (what the planner's throughput bound needs)."""
+    t = stage_times(hw, part, cfg.micro_batch_size, cfg.recompute, cfg.split_backward, cfg.w_reruns_input_grad,
+                    cfg.w_at_input_grad, cfg.recompute_num_layers, cfg.selective_recompute)
+    if cfg.pairing is None:
+        return t
+    a = config_a2a_times(hw, part, cfg)
+    hf, hb = most_hidden(cfg.pairing, a.forward, a.backward, a.cover_forward, a.cover_backward)
+    return StageTimes(tuple(x - h for x, h in zip(t.forward, hf)), tuple(x - h for x, h in zip(t.backward, hb)),
+                      tuple(x - h for x, h in zip(t.input_grad, hb)), t.weight_grad)
+
+
 # ---------------------------------------------------------------- costs table consumed by the engine
 
 @dataclass
@@ -225,6 +302,15 @@ class Costs:
     param_sync_lead: list[float] = field(default_factory=list)
     # Split backward: I (input gradient) takes this share of `backward`, W (weight gradients) the rest.
     input_grad_share: list[float] = field(default_factory=list)
+    # Expert-parallel all-to-all (MoE) per stage, included in `forward` / `backward`: the seconds of it inside one
+    # F and one backward (B, or I where split) that a merged partner can hide, and of a backward's recomputed
+    # forwards (never hidden); the compute of each behind which a partner's can run (`StageA2A`). A schedule
+    # with a pairing (`schedule.pairs`) hides min(all-to-all, partner's cover) of each action of a pair.
+    moe_a2a_forward: list[float] = field(default_factory=list)
+    moe_a2a_backward: list[float] = field(default_factory=list)
+    moe_a2a_recomputed: list[float] = field(default_factory=list)
+    moe_cover_forward: list[float] = field(default_factory=list)
+    moe_cover_backward: list[float] = field(default_factory=list)
     dp_overlap: bool = True
     p2p_overlap: bool = True
 
@@ -238,6 +324,9 @@ class Costs:
             self.input_grad_share = [0.5] * n
         if not self.param_sync_lead:
             self.param_sync_lead = [0.0] * len(self.optimizer)
+        for name in MOE_FIELDS:
+            if not getattr(self, name):
+                setattr(self, name, [0.0] * n)
         pp = len(self.optimizer)
         if not self.step and pp:
             per_rank = [sum(1 for s in range(n) if s % pp == r) for r in range(pp)]
@@ -246,7 +335,7 @@ class Costs:
             raise ValueError(f"Costs.param_sync_lead has {len(self.param_sync_lead)} entries for "
                              f"{len(self.optimizer)} ranks")
         for name in ("backward", "send_forward", "send_backward", "gather", "reduce", "param_sync",
-                     "reduce_buckets", "param_sync_buckets", "input_grad_share", "step"):
+                     "reduce_buckets", "param_sync_buckets", "input_grad_share", "step", *MOE_FIELDS):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Costs.{name} has {len(getattr(self, name))} entries for {n} stages")
 
@@ -342,7 +431,10 @@ class Config:
     attention: str = "flash"  # "unfused": --attention-backend local (scores materialised)
     fp8: str | None = None  # --fp8-format with this --fp8-recipe; None: bf16 GEMMs
     tp_comm_overlap: bool = False  # --tp-comm-overlap
-    moe_a2a_overlap: bool = False  # --overlap-moe-expert-parallel-comm
+    moe_a2a_overlap: bool = False  # --overlap-moe-expert-parallel-comm (Megatron's combined 1F1B)
+    # --paired-moe-a2a-overlap: the plugin's paired order (`schedule.pairs`), simulated only: two actions of the
+    # same op and stage that the schedule runs back to back run merged, each hiding the other's all-to-all.
+    paired_moe_a2a_overlap: bool = False
     recompute_num_layers: int | None = None  # full recomputation of only the first N layers of a stage (block)
     selective_recompute: bool = False  # --recompute-granularity selective (core attention)
     grad_reduce_bf16: bool = False  # --grad-reduce-in-bf16: gradient buffers and their reduction in bf16
@@ -361,7 +453,7 @@ class Config:
     def partition(self, model: ModelProfile) -> Partition:
         """The model cut into this configuration's stages."""
         return _partition(model, self.tp, self.pp, self.vp, self.split, self.cp, self.ep, self.etp,
-                          self.sequence_parallel, self.attention, self.fp8, self.tp_comm_overlap, self.moe_a2a_overlap)
+                          self.sequence_parallel, self.attention, self.fp8, self.tp_comm_overlap)
 
     def placement(self, hw: Hardware) -> Placement:
         return Placement(hw, self.tp, self.dp, self.pp, self.cp, self.ep, self.etp)
@@ -369,6 +461,14 @@ class Config:
     @property
     def split_backward(self) -> bool:
         return self.schedule in SPLIT_BACKWARD_SCHEDULES
+
+    @property
+    def pairing(self) -> str | None:
+        """How the schedule merges actions two at a time so that their expert all-to-alls hide (`schedule.pairs`):
+        Megatron's combined 1F1B, the plugin's paired order, or none (also at EP = 1: nothing to hide)."""
+        if self.ep <= 1:
+            return None
+        return COMBINED_1F1B if self.moe_a2a_overlap else PAIRED if self.paired_moe_a2a_overlap else None
 
     @property
     def num_gpus(self) -> int:
@@ -381,11 +481,10 @@ class Config:
 
 @functools.lru_cache(maxsize=4096)
 def _partition(model: ModelProfile, tp: int, pp: int, vp: int, split: StageSplit, cp: int, ep: int, etp: int | None,
-               sequence_parallel: bool, attention: str, fp8: str | None, tp_comm_overlap: bool,
-               moe_a2a_overlap: bool) -> Partition:
+               sequence_parallel: bool, attention: str, fp8: str | None, tp_comm_overlap: bool) -> Partition:
     """One Partition per distinct cut (the planner asks for the same one for every schedule and ZeRO stage)."""
     return Partition(model, tp, pp, vp, split, cp=cp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
-                     attention=attention, fp8=fp8, tp_comm_overlap=tp_comm_overlap, moe_a2a_overlap=moe_a2a_overlap)
+                     attention=attention, fp8=fp8, tp_comm_overlap=tp_comm_overlap)
 
 
 def analytic_costs(hw: Hardware, part: Partition, cfg: Config) -> Costs:
@@ -443,9 +542,12 @@ def analytic_costs(hw: Hardware, part: Partition, cfg: Config) -> Costs:
     # The gradient norm (clipping): one scalar all-reduce over every rank, modelled as latency alone, the
     # fixed cost of one collective.
     grad_norm = hw.collective_overhead_s if cfg.num_gpus > 1 else 0.0
+    a2a = config_a2a_times(hw, part, cfg)
     return Costs(list(times.forward), list(times.backward), sf, sb, ag, red, sync, opt, step=step,
                  grad_norm=grad_norm, reduce_buckets=rb, param_sync_buckets=sbk, param_sync_lead=lead,
-                 input_grad_share=share, dp_overlap=cfg.dp_overlap, p2p_overlap=cfg.p2p_overlap)
+                 input_grad_share=share, moe_a2a_forward=list(a2a.forward), moe_a2a_backward=list(a2a.backward),
+                 moe_a2a_recomputed=list(a2a.recomputed), moe_cover_forward=list(a2a.cover_forward),
+                 moe_cover_backward=list(a2a.cover_backward), dp_overlap=cfg.dp_overlap, p2p_overlap=cfg.p2p_overlap)
 
 
 def sharded_params(part: Partition, cfg: Config, rank: int) -> float:
@@ -507,5 +609,8 @@ def memory_breakdown(part: Partition, cfg: Config, rank: int, activations: float
         mem["fp8_weight_copies"] = FP8_WEIGHT_COPY_BYTES * sum(part.stage_layer_params(s) for s in stages)
     mem["activations"] = activations
     mem["working"] = max(part.working_bytes(s, cfg.micro_batch_size) for s in stages)
+    if (cfg.moe_a2a_overlap or cfg.paired_moe_a2a_overlap) and cfg.ep > 1 and any(
+            part.model.is_moe_layer(i) for s in stages for i in part.stage_layers(s)):
+        mem["working"] *= 2  # both overlaps run two micro-batches of a layer at once
     mem["total"] = sum(mem.values())
     return mem

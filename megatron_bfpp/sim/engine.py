@@ -17,6 +17,13 @@ Each pipeline rank runs its action list in order on three streams:
   stage). With `dp_overlap` off
   (Megatron-LM 2022) every collective holds the compute stream, and ZeRO-0/1 gradient reductions run after
   the last backward of the rank, as Megatron did then.
+Merged pairs (`Schedule.pairing`, `schedule.pairs`: the plugin's paired order, Megatron's combined 1F1B): a pair
+of computations whose all-to-alls hide runs as one, when the compute stream is free and both inputs, the first's
+parameters (and the partner's, if another stage's) are there; each hides min(its expert all-to-all, the partner's
+cover: `Costs.moe_cover_*`) of its own, so the pair takes the two computations less what each hides, never less
+than their all-to-alls together (they still run one after the other on the network) nor than their computations
+together. Both outputs are ready when the pair ends. Actions outside a pair, and pairs with nothing to hide, run
+one at a time with their all-to-all exposed (`EngineResult.exposed_moe_a2a_s`).
 End of step: all ranks meet after their compute and outstanding REDUCEs (the optimizer needs every gradient
 and a global gradient norm). Then, for a schedule without STEP actions (an optimizer outside the schedule:
 stock Megatron's), they run the optimizer (slowest rank), and with ZeRO-1/2 and `dp_overlap` off all-gather
@@ -50,9 +57,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..schedule import COMPUTE_OPS, Action, Op, Schedule, ScheduleError, add_p2p
+from ..schedule.pairs import pairs_of
 from ..schedule.events import TimelineEvent
 from ..schedule.lower import first_use_order
-from .costs import Costs
+from .costs import Costs, most_hidden
 
 
 @dataclass
@@ -71,6 +79,10 @@ class EngineResult:
     optimizer_rank_s: list[float] = field(default_factory=list)
     optimizer_exposed_s: list[float] = field(default_factory=list)
     grad_norm_s: float = 0.0
+    # Per rank: seconds of its compute that are expert all-to-all the compute stream waits for (part of
+    # `compute_s`), and how many of its actions ran merged with another (`Schedule.pairing`).
+    exposed_moe_a2a_s: list[float] = field(default_factory=list)
+    paired_actions: list[int] = field(default_factory=list)
 
     @property
     def optimizer_hidden_s(self) -> list[float]:
@@ -95,6 +107,10 @@ class EngineResult:
         return sum(self.exposed_pp_s) / len(self.exposed_pp_s)
 
     @property
+    def mean_exposed_moe_a2a_s(self) -> float:
+        return sum(self.exposed_moe_a2a_s) / len(self.exposed_moe_a2a_s) if self.exposed_moe_a2a_s else 0.0
+
+    @property
     def mean_exposed_dp_s(self) -> float:
         return sum(self.exposed_dp_s) / len(self.exposed_dp_s)
 
@@ -107,7 +123,8 @@ class _Rank:
 
     __slots__ = ("r", "pc", "compute_free", "lane_free", "dp_free", "acct", "gather_end", "wbuf_free",
                  "gbuf_free", "grad_resident", "last_end", "last_b", "sync", "first_use_done", "deferred",
-                 "counts", "compute_busy", "step_end", "fresh", "step_busy", "cf", "exposed", "started")
+                 "counts", "compute_busy", "step_end", "fresh", "step_busy", "cf", "exposed", "started", "merged",
+                 "a2a", "paired")
 
     def __init__(self, r: int, weight_buffers: int, grad_buffers: int) -> None:
         self.r = r
@@ -135,6 +152,9 @@ class _Rank:
         self.cf: dict = {"compute": 0.0, "dp": 0.0, "sync": {}, "gather_end": {}}
         self.exposed = 0.0
         self.started = False
+        self.merged: dict[int, tuple[float, float]] = {}  # index of a pair's second -> its (start, end), run already
+        self.a2a = 0.0  # exposed all-to-all seconds of its computations
+        self.paired = 0
 
 
 def _lowered(schedule: Schedule) -> Schedule:
@@ -184,7 +204,12 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
       reduction after its last backward has)."""
     sched = _lowered(schedule)
     n, pp, m = sched.num_stages, sched.pp, sched.microbatches
-    fwd, bwd, share = costs.forward, costs.backward, costs.input_grad_share
+    share = costs.input_grad_share
+    # Each action no shorter than when a partner hides the most of its all-to-all (under the schedule's pairing).
+    hide_f, hide_b = most_hidden(sched.pairing, costs.moe_a2a_forward, costs.moe_a2a_backward,
+                                 costs.moe_cover_forward, costs.moe_cover_backward)
+    fwd = [f - h for f, h in zip(costs.forward, hide_f)]
+    bwd = [b - h for b, h in zip(costs.backward, hide_b)]
     hops = costs.send_forward if pp > 1 else [0.0] * n
     back_hops = costs.send_backward if pp > 1 else [0.0] * n
     has_step = _has_step(sched)
@@ -219,7 +244,8 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
         bstart: list[list[float]] = []
     else:
         split_stages = {s for s, _ in sched.split_pairs()}
-        grad = [bwd[s] * (share[s] if s in split_stages else 1.0) for s in range(n)]  # what stage s - 1 waits for
+        # what stage s - 1 waits for (an I holds all of a split backward's all-to-all)
+        grad = [costs.backward[s] * share[s] - hide_b[s] if s in split_stages else bwd[s] for s in range(n)]
         bstart = [[0.0] * m for _ in range(n)]  # bstart[s][k]: the k-th backward of stage s starts no earlier
         for s in range(n - 1, -1, -1):
             for k in range(m):
@@ -262,6 +288,32 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
     # (kind, producing stage, microbatch) -> (transfer start, transfer end, producing compute end)
     sent: dict[tuple[int, int, int], tuple[float, float, float]] = {}
     compute_end: dict[tuple[int, int, int], float] = {}  # (0=F/1=B, stage, mb) -> end
+
+    def duration(op: Op, s: int) -> float:
+        share = costs.input_grad_share[s]
+        return {Op.F: fwd[s], Op.B: bwd[s], Op.I: bwd[s] * share, Op.W: bwd[s] * (1 - share)}[op]
+
+    def a2a(a: Action) -> float:
+        """Expert all-to-all seconds inside one action that a partner can hide (a W has none)."""
+        return costs.moe_a2a_forward[a.stage] if a.op is Op.F else 0.0 if a.op is Op.W else \
+            costs.moe_a2a_backward[a.stage]
+
+    def hidden(a: Action, partner: Action) -> float:
+        """Of `a2a(a)`, what runs behind `partner`'s compute when the two run merged."""
+        cover = costs.moe_cover_forward if partner.op is Op.F else costs.moe_cover_backward
+        return min(a2a(a), cover[partner.stage]) if partner.op is not Op.W else 0.0
+
+    def exposed_a2a(a: Action) -> float:
+        """All-to-all seconds of an action run alone (a backward's recomputed forwards' included)."""
+        return a2a(a) + (costs.moe_a2a_recomputed[a.stage] if a.op in (Op.B, Op.I) else 0.0)
+
+    def input_key(a: Action) -> tuple[int, int, int] | None:
+        """The message (kind, producing stage, micro-batch) a compute action waits for from another rank."""
+        if pp == 1 or a.op is Op.W:  # a W needs only its own I, run before it on this rank
+            return None
+        if a.op is Op.F:
+            return (0, a.stage - 1, a.microbatch) if a.stage > 0 else None  # type: ignore[return-value]
+        return (1, a.stage + 1, a.microbatch) if a.stage < last_stage else None  # type: ignore[return-value]
 
     def ev(r: int, stream: str, name: str, op: str, stage: int | None, mb: int | None, t0: float, t1: float,
            peer: int | None = None):
@@ -372,22 +424,34 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
         while st.pc < body_end[st.r]:
             a = acts[st.pc]
             op, s, m = a.op, a.stage, a.microbatch
+            if op in COMPUTE_OPS and st.pc in st.merged:  # the second of a pair: it ran with the first
+                t0, t1 = st.merged.pop(st.pc)
+                if rec:
+                    ev(st.r, "compute", a.text, op.value, s, m, t0, t1)
+                st.pc += 1
+                progressed = True
+                continue
             if op in COMPUTE_OPS:
                 is_f = op is Op.F
-                share = costs.input_grad_share[s]
-                dur = {Op.F: fwd[s], Op.B: bwd[s], Op.I: bwd[s] * share, Op.W: bwd[s] * (1 - share)}[op]
-                needs_input = op is not Op.W  # a W needs only its own I, run before it on this rank
+                dur = duration(op, s)
+                j = pairs[st.r].get(st.pc)  # the partner this action runs merged with, if any
+                partner = acts[j] if j is not None else None
+                partner_key = input_key(partner) if partner is not None else None
+                if partner_key is not None and partner_key not in sent:
+                    return progressed  # the merged pair needs both inputs (the paired lowering posts both first)
                 start = st.compute_free
-                why, why_t, split, wname = -1, start, 0.0, ""
+                why, why_t, split, wname, wpeer = -1, start, 0.0, "", 0
                 input_t = 0.0
-                # input from another rank
-                if pp > 1 and needs_input and ((is_f and s > 0) or (not is_f and s < last_stage)):
-                    key = (0, s - 1, m) if is_f else (1, s + 1, m)
-                    x = sent[key]  # the RECV before this compute guaranteed it exists
-                    input_t = x[1]
+                # input from another rank (the partner's too)
+                for x_key, x_act in ((input_key(a), a), (partner_key, partner)):
+                    if x_key is None:
+                        continue
+                    x = sent[x_key]  # the RECV before this compute (or the wait above) guaranteed it exists
+                    input_t = max(input_t, x[1])
                     if x[1] > why_t:
                         why, why_t, split = _PP, x[1], x[2]
-                        wname = ("RECV_F" if is_f else "RECV_B") + f"{s}:{m}"
+                        wname = ("RECV_F" if x_key[0] == 0 else "RECV_B") + f"{x_act.stage}:{x_act.microbatch}"
+                        wpeer = sched.rank_of(x_key[1])
                 # parameters
                 end_floor = 0.0
                 uses_weights = op in sched.weight_ops
@@ -408,6 +472,16 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                     if ready > why_t:
                         why, why_t, wname = _DP, ready, f"GATHER{s}"
                 st.first_use_done.add(s)
+                if partner is not None and partner.stage != s:  # Megatron's combined 1F1B: another stage's weights
+                    ps = partner.stage
+                    if zero == 3 and partner.op in sched.weight_ops and st.gather_end.get(ps, 0.0) > why_t:
+                        why, why_t, wname = _DP, st.gather_end[ps], f"GATHER{ps}"
+                    elif ps in st.sync and ps not in st.first_use_done:
+                        t0, t1 = st.sync[ps]
+                        ready = t0 + (t1 - t0) / max(1, costs.param_sync_buckets[ps])
+                        if ready > why_t:
+                            why, why_t, wname = _DP, ready, f"GATHER{ps}"
+                    st.first_use_done.add(ps)
                 if has_step and not st.started:  # how much later the STEPs let the rank start computing
                     st.started = True
                     st.exposed = max(0.0, max(st.compute_free, why_t) - max(st.cf["compute"], input_t, cf_params))
@@ -424,15 +498,21 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                         st.acct[_BUBBLE] += cut - st.compute_free
                         st.acct[_PP] += why_t - cut
                         if rec:  # the sender is named: metrics split the wait into bubble and transfer
-                            ev(st.r, "p2p", f"wait {wname}", "WAIT", s, m, st.compute_free, why_t,
-                               peer=sched.rank_of(s - 1 if is_f else s + 1))
+                            ev(st.r, "p2p", f"wait {wname}", "WAIT", s, m, st.compute_free, why_t, peer=wpeer)
                         st.compute_free = why_t
                     else:
                         stall(st, why_t, _DP, "dp", wname, s, m)
                 start = st.compute_free
-                end = max(start + dur, end_floor)
-                st.compute_busy += dur
-                st.acct[_DP] += end - start - dur  # compute slowed by parameter buckets still arriving
+                busy = own = dur - (hidden(a, partner) if partner is not None else 0.0)
+                st.a2a += exposed_a2a(a) + own - dur
+                if partner is not None:  # merged: each hides the other's all-to-all; both outputs at the end
+                    other = duration(partner.op, partner.stage) - hidden(partner, a)
+                    busy += other
+                    st.a2a += exposed_a2a(partner) + other - duration(partner.op, partner.stage)
+                    st.paired += 2
+                end = max(start + busy, end_floor)
+                st.compute_busy += busy
+                st.acct[_DP] += end - start - busy  # compute slowed by parameter buckets still arriving
                 st.compute_free = end
                 if uses_weights:
                     st.last_end[s] = end  # a RELEASE frees the buffer once the last use ended
@@ -440,8 +520,15 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
                     compute_end[(0 if is_f else 1, s, m)] = end
                 if op in (Op.B, Op.W):
                     st.last_b[s] = (start, end)
+                if partner is not None:
+                    compute_end[(0 if partner.op is Op.F else 1, partner.stage, partner.microbatch)] = end
+                    st.merged[j] = (start + own, end)  # type: ignore[index]
+                    if partner.op in sched.weight_ops:
+                        st.last_end[partner.stage] = end
+                    if partner.op is Op.B:
+                        st.last_b[partner.stage] = (start, end)
                 if rec:
-                    ev(st.r, "compute", a.text, op.value, s, m, start, end)
+                    ev(st.r, "compute", a.text, op.value, s, m, start, start + own if partner is not None else end)
             elif op is Op.SEND_F or op is Op.SEND_B:
                 kind = 0 if op is Op.SEND_F else 1
                 produced = compute_end[(kind, s, m)]
@@ -505,6 +592,13 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
         st.deferred = []
         return progressed
 
+    # The schedule's pairing (`schedule.pairs`): per rank, the first of each pair -> its partner, the pairs that
+    # hide an all-to-all run merged; the others one after the other.
+    pairs = []
+    for r in range(pp):
+        body = sched.ranks[r][:body_end[r]]
+        pairs.append({i: j for i, j in pairs_of(sched, r, body).items()
+                      if hidden(body[i], body[j]) + hidden(body[j], body[i]) > 0})
     remaining = set(range(pp))
     while remaining:
         moved = False
@@ -568,4 +662,6 @@ def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = Tr
         optimizer_rank_s=opt_rank,
         optimizer_exposed_s=opt_exposed,
         grad_norm_s=norm,
+        exposed_moe_a2a_s=[st.a2a for st in ranks],
+        paired_actions=[st.paired for st in ranks],
     )

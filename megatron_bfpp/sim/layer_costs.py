@@ -25,8 +25,10 @@ A layer (per GPU, tokens n = b s / CP of its context shard; T tensor-parallel ra
   chunking gives every rank an equal share.
 - MoE layers: router GEMM, token permutation / unpermutation, dispatch and combine all-to-alls over the EP ranks
   (twice more in the backward), the routed experts as grouped GEMMs at the tokens each local expert gets (balanced
-  routing: n/T x k x EP / E), and the shared expert as a dense MLP. `--overlap-moe-expert-parallel-comm` hides the
-  all-to-alls behind another micro-batch's compute of the same layer (Megatron's combined 1F1B), up to that compute.
+  routing: n/T x k x EP / E), and the shared expert as a dense MLP. What of the all-to-alls runs behind another
+  micro-batch's compute (Megatron's combined 1F1B, `--overlap-moe-expert-parallel-comm`; the plugin's paired order,
+  `--paired-moe-a2a-overlap`) is the engine's, per pair of actions the schedule merges, up to the partner's
+  compute of the layer (`OpTimes.a2a_cover`).
 - FP8: every decoder-layer GEMM (TransformerEngine's layers; the output layer stays bf16) at the FP8 rate with
   one-byte operands, plus the casts: each GEMM input is quantised with a transposed copy for the weight gradient
   (read 2 bytes, write 2 bytes per element; `cast_transpose`), and each output gradient likewise; per-tensor
@@ -151,6 +153,10 @@ class OpTimes:
     fwd: dict[str, float] = field(default_factory=dict)
     bwd: dict[str, float] = field(default_factory=dict)
     wgrad: dict[str, float] = field(default_factory=dict)
+    # MoE layers: the compute behind which another micro-batch's expert all-to-all of the same layer can run
+    # (forward, backward, and the weight-gradient part of that backward): attention, router, permutation and
+    # experts, communication excluded (the shared expert and the layer's norms left out: a conservative bound).
+    a2a_cover: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def add(self, op: str, fwd: float, bwd: float, wgrad: float = 0.0) -> None:
         self.fwd[op] = self.fwd.get(op, 0.0) + fwd
@@ -281,10 +287,8 @@ def _moe_block(hw: Hardware, part: Partition, ops: OpTimes, n: float, fp8: bool)
     a2a = 2 * all_to_all_time(hw, 2.0 * local * k * h, n_in, n_out)
     compute_f = ops.forward - ops.fwd.get("tp_comm", 0.0) - ops.fwd.get("cp_comm", 0.0)
     compute_b = ops.backward - ops.bwd.get("tp_comm", 0.0) - ops.bwd.get("cp_comm", 0.0)
-    if part.moe_a2a_overlap:  # combined 1F1B: hidden behind the other micro-batch's compute of this layer
-        ops.add("moe_a2a", max(0.0, a2a - compute_b), max(0.0, a2a - compute_f))
-    else:
-        ops.add("moe_a2a", a2a, a2a)
+    ops.a2a_cover = (compute_f, compute_b, ops.weight_grad)
+    ops.add("moe_a2a", a2a, a2a)
     if m.moe_shared_expert_size:
         sf = (2 if m.swiglu else 1) * m.moe_shared_expert_size
         _linear(hw, part, ops, "shared_expert", n, h, sf / t, fp8, column=True)

@@ -379,7 +379,6 @@ class Partition:
     attention: str = "flash"  # "unfused": Megatron's local attention (scores materialised, fused softmax)
     fp8: str | None = None  # None (bf16 GEMMs) or a recipe of FP8_RECIPES
     tp_comm_overlap: bool = False  # --tp-comm-overlap (TransformerEngine userbuffers)
-    moe_a2a_overlap: bool = False  # --overlap-moe-expert-parallel-comm
     layer_counts: tuple[int, ...] = field(init=False, repr=False, compare=False)
     # Per stage, parameters on one GPU: (all, routed experts, decoder layers)
     _params: tuple[tuple[float, float, float], ...] = field(init=False, repr=False, compare=False)

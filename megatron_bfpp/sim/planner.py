@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from ..schedule import SCHEDULE_NAMES, ScheduleError
 from ..schedule.kinds import KINDS, megatron_kind
-from .costs import ADAM_BYTES_PER_PARAM, Config, head_times, layer_times, memory_breakdown, sharded_params, \
-    stage_times
+from .costs import ADAM_BYTES_PER_PARAM, Config, head_times, layer_times, least_stage_times, memory_breakdown, \
+    sharded_params
 from .hardware import GIB, Hardware
 from .layer_costs import embedding_ops
 from .layouts import balanced_layouts
@@ -72,6 +72,7 @@ class SearchSpace:
     fp8: str | None = None
     tp_comm_overlap: bool = False
     moe_a2a_overlap: bool = False
+    paired_moe_a2a_overlap: bool = False
     recompute_num_layers: int | None = None
     selective_recompute: bool = False
     grad_reduce_bf16: bool = False
@@ -86,6 +87,7 @@ class SearchSpace:
         """The Config fields every candidate shares."""
         return dict(etp=self.etp, sequence_parallel=self.sequence_parallel, attention=self.attention, fp8=self.fp8,
                     tp_comm_overlap=self.tp_comm_overlap, moe_a2a_overlap=self.moe_a2a_overlap,
+                    paired_moe_a2a_overlap=self.paired_moe_a2a_overlap,
                     recompute_num_layers=self.recompute_num_layers, selective_recompute=self.selective_recompute,
                     grad_reduce_bf16=self.grad_reduce_bf16, weight_buffers=self.weight_buffers,
                     grad_buffers=self.grad_buffers)
@@ -119,7 +121,8 @@ def stock_space(space: SearchSpace = SearchSpace()) -> SearchSpace:
         raise ValueError(f"stock Megatron at its best uses its distributed optimizer (ZeRO-{STOCK_ZERO_STAGE}), "
                          f"not among the ZeRO stages searched ({', '.join(map(str, space.zero_stages))})")
     return dataclasses.replace(space, schedules=schedules, zero_stages=(STOCK_ZERO_STAGE,), dp_overlap=True,
-                               p2p_overlap=True, w_reruns_input_grad=False, w_at_input_grad=False, stock=True)
+                               p2p_overlap=True, w_reruns_input_grad=False, w_at_input_grad=False, stock=True,
+                               paired_moe_a2a_overlap=False)  # the plugin's paired order is not stock's
 
 
 STOCK = stock_space()
@@ -237,9 +240,7 @@ class _Bounds:
         rank, the last rank's fill, one micro-batch's chain) and an optimizer outside the schedule. Cheap enough
         to rank every configuration before simulating; `engine.step_lower_bound_s` is the tighter bound of a
         built schedule under its full costs (hops and collectives too)."""
-        t = stage_times(self.hw, part, cfg.micro_batch_size, cfg.recompute, cfg.split_backward,
-                        cfg.w_reruns_input_grad, cfg.w_at_input_grad, cfg.recompute_num_layers,
-                        cfg.selective_recompute)
+        t = least_stage_times(self.hw, part, cfg)  # what the paired order hides of an action taken off
         pp, n = cfg.pp, part.num_stages
         work = [cfg.microbatches * sum(t.forward[s] + t.backward[s] for s in range(r, n, pp)) for r in range(pp)]
         # The last rank cannot start before the forwards of stages 0 .. P-2 ran upstream, and after its last
@@ -326,8 +327,9 @@ class _StageSplits:
     def __init__(self, model: ModelProfile, hw: Hardware, space: SearchSpace, fixed: dict, tp: int, cp: int,
                  ep: int) -> None:
         self.model, self.hw, self.space = model, hw, space
-        self.part = Partition(model, tp, 1, 1, EVEN_STAGES, cp, ep, fixed["etp"], fixed["sequence_parallel"],
-                              fixed["attention"], fixed["fp8"], fixed["tp_comm_overlap"], fixed["moe_a2a_overlap"])
+        self.part = Partition(model, tp, 1, 1, EVEN_STAGES, cp=cp, ep=ep, etp=fixed["etp"],
+                              sequence_parallel=fixed["sequence_parallel"], attention=fixed["attention"],
+                              fp8=fixed["fp8"], tp_comm_overlap=fixed["tp_comm_overlap"])
         self._costs: dict[tuple[int, bool], tuple[float, float, float]] = {}
         self._splits: dict[tuple[int, int, int, bool], list[StageSplit]] = {}
 

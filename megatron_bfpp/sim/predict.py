@@ -28,6 +28,13 @@ def check_config(model: ModelProfile, hw: Hardware, cfg: Config) -> None:
                          "parallelism; add --sequence-parallel")
     if cfg.moe_a2a_overlap and not (model.is_moe and cfg.ep > 1):
         raise ValueError("--overlap-moe-expert-parallel-comm needs an MoE model with --expert-model-parallel-size > 1")
+    if cfg.paired_moe_a2a_overlap:
+        if not model.is_moe:
+            raise ValueError("--paired-moe-a2a-overlap hides the expert-parallel all-to-all: it needs an MoE model "
+                             "(--num-experts)")
+        if cfg.moe_a2a_overlap:
+            raise ValueError("--paired-moe-a2a-overlap with --overlap-moe-expert-parallel-comm: the first is the "
+                             "plugin's schedules' paired order, the second Megatron's combined 1F1B; give one")
     if cfg.recompute_num_layers is not None and not cfg.recompute:
         raise ValueError("--recompute-num-layers applies to full recomputation (--recompute-granularity full)")
     if cfg.zero_stage not in (0, 1, 2, 3):
@@ -36,6 +43,12 @@ def check_config(model: ModelProfile, hw: Hardware, cfg: Config) -> None:
         kind = schedule_kind(cfg.schedule)
     except ScheduleError as e:
         raise ValueError(str(e)) from None
+    if cfg.moe_a2a_overlap and not (kind.megatron_order and cfg.stock_optimizer):
+        # Megatron-Core builds its combined 1F1B only inside its own schedule functions; the plugin's runtime
+        # refuses the flag (validation.py), and its schedules' order is the paired one.
+        raise ValueError(f"--overlap-moe-expert-parallel-comm runs Megatron's combined 1F1B, inside its own schedule "
+                         f"with its own optimizer (--pipeline-schedule default), not {cfg.schedule} with ZeRO-"
+                         f"{cfg.zero_stage} of the plugin; for the plugin's schedules use --paired-moe-a2a-overlap")
     if not kind.fits_stages(cfg.vp):
         if kind.virtual_stages:
             raise ValueError(
@@ -77,6 +90,8 @@ def schedule_spec(cfg: Config) -> ScheduleSpec:
         # The plugin's optimizer steps stage by stage at the step boundary (STEP actions); stock Megatron's
         # runs outside the schedule.
         optimizer_step=cfg.optimizer_in_schedule,
+        # Actions merged two at a time to hide the expert all-to-all (none at EP = 1: nothing to hide).
+        pairing=cfg.pairing,
     ).resolved()
 
 
@@ -124,6 +139,10 @@ class Prediction:
     step_lower_bound_s: float = 0.0
     # The busiest rank's F/B time over the mean rank's: 1 when the layout balances the work exactly.
     rank_load_max_over_mean: float = 1.0
+    # MoE: the mean over pipeline ranks of the expert all-to-all seconds their compute stream waits for (part of
+    # `compute_s`), and how many actions ran paired (`--paired-moe-a2a-overlap`), summed over ranks.
+    exposed_moe_a2a_s: float = 0.0
+    paired_actions: int = 0
     events: list[TimelineEvent] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -168,6 +187,7 @@ def config_dict(cfg: Config) -> dict:
         "fp8_recipe": cfg.fp8,
         "tp_comm_overlap": cfg.tp_comm_overlap,
         "overlap_moe_expert_parallel_comm": cfg.moe_a2a_overlap,
+        "paired_moe_a2a_overlap": cfg.paired_moe_a2a_overlap,
         "recompute_granularity": "full" if cfg.recompute else "selective" if cfg.selective_recompute else None,
         "recompute_num_layers": cfg.recompute_num_layers,
         "grad_reduce_in_bf16": cfg.grad_reduce_bf16,
@@ -282,6 +302,8 @@ def _prediction(model: ModelProfile, hw: Hardware, cfg: Config, sched: Schedule,
         optimizer_exposed_s=res.max_optimizer_exposed_s,
         step_lower_bound_s=lower_bound_s,
         rank_load_max_over_mean=max(res.compute_s) * pp / sum(res.compute_s) if sum(res.compute_s) > 0 else 1.0,
+        exposed_moe_a2a_s=res.mean_exposed_moe_a2a_s,
+        paired_actions=sum(res.paired_actions),
         events=res.events,
     )
 

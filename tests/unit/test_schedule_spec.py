@@ -31,7 +31,7 @@ from megatron_bfpp.train.config import trainer_args_provider
 SPEC = ScheduleSpec("breadth-first", 2, 2, 4, zero_stage=3)
 # The handshake's names of the fields, in its order (its error says e.g. "M 4 vs 3").
 LABELS = ("schedule", "P", "V", "M", "group size", "ZeRO stage", "forward-only", "weight buffers", "grad buffers",
-          "W needs weights", "I writes gradients", "optimizer step")
+          "W needs weights", "I writes gradients", "optimizer step", "pairing")
 
 
 def _choices(parser: argparse.ArgumentParser, flag: str) -> set[str]:

@@ -138,9 +138,15 @@ def test_moe_dispatch_and_combine_move_k_copies_of_each_token():
         assert all_to_all_time(hw, nbytes, n_in, n_out) == pytest.approx(one)
         assert ops.fwd["moe_a2a"] == pytest.approx(2 * one) and ops.bwd["moe_a2a"] == pytest.approx(2 * one)
     assert "moe_a2a" not in layer_ops(H100, Partition(MOE, 2, 1, 1, ep=4), 1, layer=0).fwd  # a dense layer
-    # Stock's --overlap-moe-expert-parallel-comm hides them behind the other micro-batch's compute of the layer.
-    hidden = layer_ops(H100, Partition(MOE, 2, 1, 1, ep=4, moe_a2a_overlap=True), 1, layer=1)
-    assert hidden.fwd["moe_a2a"] < ops.fwd["moe_a2a"]
+    # What another micro-batch's all-to-all may run behind (the engine's pairs): the layer's compute before its
+    # all-to-all, communication excluded, and the weight-gradient part of its backward.
+    ops = layer_ops(H100, Partition(MOE, 2, 1, 1, ep=4), 1, layer=1)
+    comm = ("tp_comm", "moe_a2a")
+    for side, cover in ((ops.fwd, ops.a2a_cover[0]), (ops.bwd, ops.a2a_cover[1])):
+        core = sum(side[k] for k in ("qkv", "proj", "attention", "router", "experts"))
+        assert core < cover < sum(v for k, v in side.items() if k not in comm)  # the layer's norms come after
+    assert 0 < ops.a2a_cover[2] < ops.weight_grad  # the shared expert's come after
+    assert layer_ops(H100, Partition(MOE, 2, 1, 1, ep=4), 1, layer=0).a2a_cover == (0.0, 0.0, 0.0)  # dense
 
 
 def test_expert_gemms_at_the_tokens_each_expert_gets():
