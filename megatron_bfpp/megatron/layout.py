@@ -7,7 +7,8 @@ it and refuses a stage count that is not a multiple of P). A stage may hold no d
 nothing at all; the plugin's runtime and sharded data parallelism run every such stage as Megatron builds it.
 
 Megatron-Core checks the rest of the layout only when it builds the model's config, after the process groups
-exist (`PipelineParallelLayerLayout.validate_layer_layout`: `E` first, `L` last, as many `t` as --num-layers);
+exist (`PipelineParallelLayerLayout.validate_layer_layout`: `E` first, `L` last, as many `t` as --num-layers;
+`TransformerConfig`: no other layer split beside it);
 `layout_problem` runs that check on the arguments instead, so that `install` and the check command
 (`validation.validate_args`) refuse a bad layout at once, with Megatron's own parser and validator.
 """
@@ -19,6 +20,11 @@ import argparse
 from ..schedule.kinds import KINDS, ScheduleKind
 
 FLAG = "--pipeline-model-parallel-layout"
+# The other ways to split layers over stages: (argument name, flag)
+_OTHER_SPLIT_FLAGS = (("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
+                      ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
+                      ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split"),
+                      ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"))
 
 
 def _stages(layout: str) -> list[str]:
@@ -50,6 +56,11 @@ def layout_problem(args: argparse.Namespace, runtime: bool) -> str | None:
         return None
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
+    # Megatron-Core's TransformerConfig refuses these beside a layout (which places every layer itself).
+    others = [flag for name, flag in _OTHER_SPLIT_FLAGS if getattr(args, name, None) not in (None, False)]
+    if others:
+        return (f"{FLAG} {layout!r} with {' and '.join(others)}: Megatron-Core refuses them together when it builds "
+                f"the model (the layout places every layer itself); drop {' and '.join(others)}")
     try:
         stages = _stages(layout)
     except AssertionError as e:  # a character Megatron's parser does not know (its validate_args says so first)

@@ -55,6 +55,10 @@ REFUSED = [
     ("decoder-count-default", "E|tt|t|t|tt|L", "default", 5, (), "give the layout exactly 5 't'"),
     ("megatron-first-layer", "tE|t|t|t|t|L", "interleaved-zb", 5, (),
      "Megatron-Core refuses it when it builds the model: The first layer must be embedding"),
+    ("with-decoder-first-pipeline-num-layers", "E|tt|t|t|t|L", "breadth-first", 5,
+     ("--decoder-first-pipeline-num-layers", "2"),
+     "with --decoder-first-pipeline-num-layers: Megatron-Core refuses them together", "drop "
+     "--decoder-first-pipeline-num-layers"),
     ("empty-first-stage", "|Ett|t|t|t|L", "interleaved-zb", 5, (),
      "'E' must open the first stage and 'L' close the last (6 stages)", "write 'E|tt|t|t|t|L'"),
     ("empty-last-stage", "Ett|t|t|t|L|", "breadth-first", 5, (), "write 'Ett|t|t|t||L'"),
