@@ -15,10 +15,11 @@ import re
 from dataclasses import dataclass
 
 from megatron_bfpp.schedule import ScheduleError, ScheduleSpec
-from megatron_bfpp.schedule.kinds import SPLIT_BACKWARD_SCHEDULES, megatron_kind
+from megatron_bfpp.schedule.kinds import SPLIT_BACKWARD_SCHEDULES, megatron_kind, schedule_kind
 from megatron_bfpp.schedule.pairs import PAIRED_NOT_RUN
 
 from .flags import DEFAULT_BUFFERS, PIPELINE_SCHEDULES
+from .layout import layout_problem, layout_stage_count_problem
 
 
 class ConfigError(ValueError):
@@ -482,7 +483,14 @@ def validate_args(args: argparse.Namespace, simulated: bool = False) -> PluginCo
                 raise ConfigError(f"--timeline {timeline}: directory {parent} does not exist; create it first")
 
     pp = int(args.pipeline_model_parallel_size)
+    # Megatron sets V from --num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank or the
+    # number of stages of --pipeline-model-parallel-layout (layout.py)
     vp = int(_flag(args, "virtual_pipeline_model_parallel_size") or 1)
+    problem = layout_problem(args, runtime)
+    if problem is None and runtime:
+        problem = layout_stage_count_problem(args, schedule_kind(schedule), vp)
+    if problem is not None:
+        raise ConfigError(problem)
     group = _flag(args, "microbatch_group_size_per_vp_stage")
     train_m, eval_m = _microbatch_counts(args)
     cfg = PluginConfig(

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..schedule import SCHEDULE_NAMES, Schedule, ScheduleSpec
 from ..schedule.pairs import PAIRED_NOT_RUN
+from ..sharded.comm import modules_device
 from ..sharded.ddp import ShardedDataParallel
 from ..sharded.driver import ShardedDriver
 from .executor import ScheduleExecutor
@@ -179,8 +180,7 @@ def get_forward_backward_func(
         if hasattr(driver, "set_buffer_limits"):  # the sharded driver keeps the schedule's buffer bounds
             driver.set_buffer_limits(schedule.weight_buffers, schedule.grad_buffers)
 
-        param = next(chunks[0].parameters())
-        device = param.device
+        device = modules_device(chunks, pp_group)
         cp = 1
         tp = 1
         if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:

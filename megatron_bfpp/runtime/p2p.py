@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..sharded.comm import backend_device
+
 # The channels a schedule's p2p actions name (`Action.channel`), one process group each.
 CHANNELS = ("activations", "gradients")
 
@@ -111,9 +113,7 @@ class ChannelGroups:
             pair = {name: dist.new_group(list(ranks), backend=backend, **group_kwargs()) for name in CHANNELS}
             if ranks == mine:
                 self._pairs[mine] = pair
-        dev = device
-        if dev is None:  # the process group's backend decides: NCCL works on the current CUDA device
-            dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        dev = device if device is not None else backend_device(pp_group)
         for group in self._pairs[mine].values():
             dist.all_reduce(torch.zeros(1, device=dev), group=group)
         return self._pairs[mine]

@@ -18,7 +18,7 @@ gradient buffers of `ddp.ShardedDataParallel` rely on this to keep their bounds 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -117,6 +117,23 @@ def supports_avg(group) -> bool:
         return dist.get_backend(group) == "nccl"
     except Exception:
         return False
+
+
+def backend_device(group) -> torch.device:
+    """The device `group`'s backend communicates on: the current CUDA device under NCCL, the CPU otherwise."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def modules_device(modules: Iterable[torch.nn.Module], group=None) -> torch.device:
+    """The device of the first parameter of `modules`. A rank may hold none: the empty stages of a
+    --pipeline-model-parallel-layout (`E||tt|ttL`: pipeline rank 1's first chunk; `Ett||ttL` at P = 3: all of
+    rank 1) build modules without parameters; then the device `group`'s backend works on."""
+    for module in modules:
+        for p in module.parameters():
+            return p.device
+    return backend_device(group)
 
 
 def _comm_stream(device: torch.device) -> "torch.cuda.Stream":

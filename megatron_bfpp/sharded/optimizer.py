@@ -146,8 +146,7 @@ class ShardedOptimizer(MegatronOptimizer):
             g.setdefault("min_lr", getattr(config, "min_lr", None))
             g.setdefault("lr", g["max_lr"] if g["max_lr"] is not None else config.lr)
             g.setdefault("weight_decay", config.weight_decay * g["wd_mult"])
-        self.device = self.chunks[0].flat_buffers[0].pbuf.device if self.chunks[0].flat_buffers else (
-            next(self.chunks[0].parameters()).device)
+        self.device = comm.modules_device(self.chunks, self.chunks[0].dp_group)
         # The rest of what the groups of stock Megatron's Adam hold (`betas`, `eps`, ...): saved with them, so that
         # stock Megatron resumes from a checkpoint of a run that started here.
         adam_defaults = megatron_adam_group_defaults(config, self.device)
@@ -268,8 +267,9 @@ class ShardedOptimizer(MegatronOptimizer):
         if self.grad_scaler is None:
             return False
         found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
-        torch._amp_foreach_non_finite_check_and_unscale_(self._all_main_grads(), found_inf,
-                                                          self.grad_scaler.inv_scale)
+        grads = self._all_main_grads()
+        if grads:  # torch's foreach ops refuse an empty list: a rank of empty layout stages owns no gradient
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self.grad_scaler.inv_scale)
         self._allreduce_stat(found_inf, dist.ReduceOp.MAX)
         found = bool(found_inf.item() > 0)
         self.grad_scaler.update(found)
@@ -291,8 +291,9 @@ class ShardedOptimizer(MegatronOptimizer):
         norm = self.get_grad_norm()
         if clip_grad > 0.0:
             coeff = clip_grad / (norm + 1.0e-6)
-            if coeff < 1.0:
-                torch._foreach_mul_(self._all_main_grads(), coeff)
+            grads = self._all_main_grads()
+            if coeff < 1.0 and grads:
+                torch._foreach_mul_(grads, coeff)
         return norm
 
     @torch.no_grad()

@@ -101,12 +101,11 @@ def test_zero_bubble_matches_stock(mlm: Runner, schedule: str, zero: str | None,
     assert_same_training(run, mlm.run("stock", TINY + P2V2 + extra) if extra else stock_ref(mlm))
 
 
-# Uneven pipeline stages, as Megatron-LM builds them: standalone embedding and loss stages of a layout, stages
-# counting the embedding and the loss as layers, a first pipeline stage with fewer layers. Stage sizes differ,
-# so ZeRO's weight and gradient buffers (sized per stage) and the split backward of a stage holding only the
-# embedding (nothing to differentiate but its weight) or only the loss are exercised.
+# Uneven pipeline stages, as Megatron-LM builds them: stages counting the embedding and the loss as layers, a
+# first pipeline stage with fewer layers. Stage sizes differ, so ZeRO's weight and gradient buffers (sized per
+# stage) are exercised. (--pipeline-model-parallel-layout, with standalone embedding and loss stages and empty
+# ones: tests/megatron_lm/test_pretrain_gpt_layout.py.)
 UNEVEN = {
-    "layout": (4, ["--pipeline-model-parallel-layout", "E|tt|tt|L"], "interleaved-zb", "3"),
     "account-for-embedding-and-loss": (6, ["--num-virtual-stages-per-pipeline-rank", "2",
                                            "--account-for-embedding-in-pipeline-split",
                                            "--account-for-loss-in-pipeline-split"], "breadth-first", "3"),
