@@ -21,6 +21,7 @@ modelled.
 Run: python bench/regime_table.py [--table NAME | --model PRESET --hardware HW --gpus N [--name NAME]]
                                   [--batch-per-gpu 1/32 1/16 ...] [--what-if output-layer-over-pipeline]
                                   [-- <pretrain_gpt.py flags for both sides>]
+     python bench/regime_table.py --summary   # the ratios of every table written, one line each
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple
 
-from megatron_bfpp.megatron.plan_flags import SearchOptions, read_plan
+from megatron_bfpp.megatron.plan_flags import SIZE_FLAGS, SearchOptions, read_plan, take
 from megatron_bfpp.megatron.presets import preset_flags
 from megatron_bfpp.sim import SearchSpace, get_hardware, plan, stock_space
 from megatron_bfpp.sim.costs import Config
@@ -224,9 +225,31 @@ def write_csv(rows: list[dict], path: Path) -> None:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
+def read_csv(path: Path) -> list[dict]:
+    """A table's rows as `write_csv` wrote them (numbers as text)."""
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def summary(names: list[str]) -> str:
+    """One markdown line per table written (`names`, each bench/results/regime_<name>.csv): ours / stock per
+    batch per GPU, and in parentheses the ratio at any layout's lower bound."""
+    tables = {n: read_csv(RESULTS / f"regime_{n}.csv") for n in names if (RESULTS / f"regime_{n}.csv").is_file()}
+    betas = list(dict.fromkeys(r["batch_per_gpu"] for rows in tables.values() for r in rows))
+    lines = ["| table | " + " | ".join(betas) + " |", "|" + "---|" * (len(betas) + 1)]
+    for name, rows in tables.items():
+        by_beta = {r["batch_per_gpu"]: r for r in rows}
+        cells = [f"{float(r['ratio']):.3f}x ({float(r['ratio_at_any_bound']):.3f}x)" if (r := by_beta.get(b)) and
+                 r["ratio"] else "-" for b in betas]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
+    tables = "; ".join(f"{n}: {t.model} on {t.gpus} x {t.hardware}, {t.about}" for n, t in TABLES.items())
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
-                                epilog="After --: pretrain_gpt.py flags for both sides, after the table's.")
+                                epilog=f"After --: pretrain_gpt.py flags for both sides, after the table's. Tables: "
+                                       f"{tables}.")
     p.add_argument("--table", choices=TABLES, default=None,
                    help=f"a named table (default {DEFAULT_TABLE} when no --model is given)")
     p.add_argument("--model", default=None, help="a preset (megatron_bfpp/presets), instead of --table")
@@ -237,6 +260,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-per-gpu", type=Fraction, nargs="+", default=BETAS)
     p.add_argument("--what-if", choices=WHAT_IFS, action="append", default=[],
                    help="plan ours under a what-if of the cost model (stock as modelled); adds -<what-if> to the name")
+    p.add_argument("--summary", action="store_true",
+                   help="plan nothing: print ours / stock (at any layout's lower bound) of every named table and "
+                        "its what-ifs from bench/results")
     return p
 
 
@@ -244,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     args, extra = _parser().parse_args(argv[:cut]), argv[cut + 1:]
+    if args.summary:
+        print(summary([f"{t}{w}" for t in TABLES for w in ("", *(f"-{x}" for x in WHAT_IFS))]))
+        return 0
     if args.table and args.model:
         raise SystemExit("--table names a model itself: give --table or --model, not both")
     if args.model:
@@ -257,19 +286,26 @@ def main(argv: list[str] | None = None) -> int:
         name = args.name or name
     name += "".join(f"-{w}" for w in args.what_if)
     flags = [*table.flags, *extra]
-    hw = get_hardware(table.hardware)
     started = time.monotonic()
-    model, sides = table_inputs(table.model, hw, table.gpus, flags, max(1, int(args.batch_per_gpu[0] * table.gpus)),
-                                tuple(args.what_if))
+    try:  # Megatron's and the plan's refusals, one line naming the flag
+        hw = get_hardware(table.hardware)
+        model, sides = table_inputs(table.model, hw, table.gpus, flags,
+                                    max(1, int(args.batch_per_gpu[0] * table.gpus)), tuple(args.what_if))
+    except ValueError as e:
+        raise SystemExit(f"regime_table.py: error: {e}") from None
     rows = regime_rows(model, hw, table.gpus, args.batch_per_gpu, sides)
     minutes = (time.monotonic() - started) / 60
     text = markdown(rows)
     csv_path, md_path = RESULTS / f"regime_{name}.csv", RESULTS / f"regime_{name}.md"
     write_csv(rows, csv_path)
     what = f"; ours under the what-if {', '.join(args.what_if)}" if args.what_if else ""
-    md_path.write_text(f"<!-- generated by bench/regime_table.py ({minutes:.0f} min): {table.model} on {table.gpus} x "
-                       f"{table.hardware}, flags for both sides: {' '.join(flags) or '(none)'}{what}; simulated -->\n"
-                       f"{text}\n")
+    restricted, _ = take(flags, list(SIZE_FLAGS))
+    search = (f"search restricted to {'; '.join(f'{k} {' '.join(v)}' for k, v in restricted.items())}" if restricted else
+              "search unrestricted: every T, P, V, CP, EP, D, b, schedule, group size, ZeRO stage, recomputation "
+              "and stage layout bfpp plan tries")
+    md_path.write_text(f"<!-- generated by python bench/regime_table.py {' '.join(argv)} ({minutes:.1f} min): "
+                       f"{table.model} on {table.gpus} x {table.hardware}, flags for both sides: "
+                       f"{' '.join(flags) or '(none)'}{what}; {search}; simulated -->\n{text}\n")
     print(text)
     print(f"\nwrote {csv_path} and {md_path} ({minutes:.1f} min)", file=sys.stderr)
     return 0

@@ -167,7 +167,7 @@ def _bench(name: str):
     return load_script(f"bench/{name}.py", f"bench_{name}")
 
 
-def test_benchmark_ratios_use_the_stock_search() -> None:
+def test_benchmark_ratios_use_the_stock_search(tmp_path, monkeypatch) -> None:
     """The "vs Megatron" ratios of README.md and docs/simulator.md: bench/regime_table.py divides the planned best of
     ours by `bfpp plan --stock`'s best in the same space, and bench/paper_reproduction.py's "Megatron today" is that
     same search."""
@@ -190,6 +190,11 @@ def test_benchmark_ratios_use_the_stock_search() -> None:
         assert row[f"{side}_rank_load_max_over_mean"] == p.rank_load_max_over_mean
     assert row["what_if"] is None and set(row) <= set(regime.FIELDS)
     assert row["stock_can_interleave"] is True and "| 1/2 | 8 |" in regime.markdown([row])
+    # The summary line reads the written table back.
+    monkeypatch.setattr(regime, "RESULTS", tmp_path)
+    regime.write_csv([row], tmp_path / "regime_small.csv")
+    assert regime.summary(["small", "absent"]).splitlines()[-1] == (
+        f"| small | {row['ratio']:.3f}x ({row['ratio_at_any_bound']:.3f}x) |")
 
 
 def test_regime_tables_read_each_model_as_bfpp_plan_does() -> None:
