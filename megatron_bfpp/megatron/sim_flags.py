@@ -345,6 +345,9 @@ def read_run(flags: Sequence[str], gpus: int, hw: Hardware, name: str | None = N
 def launch_flags(cfg: Config, model: ModelProfile) -> list[str]:
     """The `pretrain_gpt.py` flags that launch `cfg`'s layout, schedule, data parallelism and recomputation (to add
     to the model's and features' flags): what `bfpp plan` searched, written as Megatron-LM and the plugin read it."""
+    if cfg.output_layer_over_pipeline:
+        raise ValueError("the output layer spread over the pipeline ranks is a what-if of the simulator: no "
+                         "pretrain_gpt.py flag runs it; plan without --what-if output-layer-over-pipeline")
     out = ["--tensor-model-parallel-size", str(cfg.tp), "--pipeline-model-parallel-size", str(cfg.pp)]
     split = cfg.split
     for flag, count in (("--decoder-first-pipeline-num-layers", split.first_pipeline_num_layers),

@@ -184,9 +184,9 @@ def stage_times(hw: Hardware, part: Partition, b: int, recompute: bool = False, 
                 rc += lf
             elif selective_recompute and part.attention == "unfused":
                 rc += attn  # the core attention is recomputed, its s^2 activations not kept
-        for extra, on in ((emb, st.first), (head, st.last)):
-            if on:
-                f, b_, w = f + extra.forward, b_ + extra.backward, w + extra.weight_grad
+        for extra, share in ((emb, 1.0 if st.first else 0.0), (head, part.head_share(s))):
+            if share:
+                f, b_, w = f + share * extra.forward, b_ + share * extra.backward, w + share * extra.weight_grad
         if split_backward and w_at_input_grad:
             i_, w = b_ + rc, 0.0
         else:
@@ -438,6 +438,7 @@ class Config:
     recompute_num_layers: int | None = None  # full recomputation of only the first N layers of a stage (block)
     selective_recompute: bool = False  # --recompute-granularity selective (core attention)
     grad_reduce_bf16: bool = False  # --grad-reduce-in-bf16: gradient buffers and their reduction in bf16
+    output_layer_over_pipeline: bool = False  # what-if, no flag runs it: `Partition.output_layer_over_pipeline`
 
     @property
     def grad_bytes(self) -> int:
@@ -453,7 +454,8 @@ class Config:
     def partition(self, model: ModelProfile) -> Partition:
         """The model cut into this configuration's stages."""
         return _partition(model, self.tp, self.pp, self.vp, self.split, self.cp, self.ep, self.etp,
-                          self.sequence_parallel, self.attention, self.fp8, self.tp_comm_overlap)
+                          self.sequence_parallel, self.attention, self.fp8, self.tp_comm_overlap,
+                          self.output_layer_over_pipeline)
 
     def placement(self, hw: Hardware) -> Placement:
         return Placement(hw, self.tp, self.dp, self.pp, self.cp, self.ep, self.etp)
@@ -481,10 +483,12 @@ class Config:
 
 @functools.lru_cache(maxsize=4096)
 def _partition(model: ModelProfile, tp: int, pp: int, vp: int, split: StageSplit, cp: int, ep: int, etp: int | None,
-               sequence_parallel: bool, attention: str, fp8: str | None, tp_comm_overlap: bool) -> Partition:
+               sequence_parallel: bool, attention: str, fp8: str | None, tp_comm_overlap: bool,
+               output_layer_over_pipeline: bool = False) -> Partition:
     """One Partition per distinct cut (the planner asks for the same one for every schedule and ZeRO stage)."""
     return Partition(model, tp, pp, vp, split, cp=cp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
-                     attention=attention, fp8=fp8, tp_comm_overlap=tp_comm_overlap)
+                     attention=attention, fp8=fp8, tp_comm_overlap=tp_comm_overlap,
+                     output_layer_over_pipeline=output_layer_over_pipeline)
 
 
 def analytic_costs(hw: Hardware, part: Partition, cfg: Config) -> Costs:

@@ -379,6 +379,9 @@ class Partition:
     attention: str = "flash"  # "unfused": Megatron's local attention (scores materialised, fused softmax)
     fp8: str | None = None  # None (bf16 GEMMs) or a recipe of FP8_RECIPES
     tp_comm_overlap: bool = False  # --tp-comm-overlap (TransformerEngine userbuffers)
+    # What-if, no Megatron-LM flag runs it: the output layer, final norm and loss spread over the P pipeline ranks,
+    # each rank's last stage holding 1/P of their compute, parameters and activations (`head_share`).
+    output_layer_over_pipeline: bool = False
     layer_counts: tuple[int, ...] = field(init=False, repr=False, compare=False)
     # Per stage, parameters on one GPU: (all, routed experts, decoder layers)
     _params: tuple[tuple[float, float, float], ...] = field(init=False, repr=False, compare=False)
@@ -417,9 +420,18 @@ class Partition:
         layers = total
         if st.first:
             total += m.embedding_params(self.tp) / self.tp
-        if st.last:
-            total += m.head_params(self.tp, pipelined=self.num_stages > 1 and not st.first) / self.tp
+        share = self.head_share(s)
+        if share:
+            pipelined = self.num_stages > 1 and (self.output_layer_over_pipeline or not st.first)
+            total += share * m.head_params(self.tp, pipelined=pipelined) / self.tp
         return total, experts, layers
+
+    def head_share(self, s: int) -> float:
+        """The share of the output layer, final norm and loss that stage s holds: all of it on the last stage, or
+        under the `output_layer_over_pipeline` what-if 1/P on each rank's last stage."""
+        if self.output_layer_over_pipeline:
+            return 1.0 / self.pp if s >= self.num_stages - self.pp else 0.0
+        return 1.0 if s == self.num_stages - 1 else 0.0
 
     @property
     def expert_tp(self) -> int:
@@ -513,14 +525,15 @@ class Partition:
         """Bytes kept from the forward of (stage s, one micro-batch) until its backward, per GPU. Full
         recomputation keeps each recomputed layer's input (all layers, or the first `recompute_num_layers` of the
         stage); `selective` recomputes the core attention."""
-        st, m = self.stage(s), self.model
+        m = self.model
         n = sum(self.layer_activation_bytes(
                     b, i, recompute and (recompute_num_layers is None or k < recompute_num_layers), selective)
                 for k, i in enumerate(self.stage_layers(s)))
-        if st.last:
+        share = self.head_share(s)
+        if share:
             sb = self.tokens(b)
             # Final norm input/output (bf16) and the fp32 softmax kept by the vocab-parallel cross entropy.
-            n += 4 * sb * m.hidden_size / self._replicated_div() + 4 * sb * self.padded_vocab / self.tp
+            n += share * (4 * sb * m.hidden_size / self._replicated_div() + 4 * sb * self.padded_vocab / self.tp)
         return n
 
     def pending_weight_grad_bytes(self, s: int, b: int) -> float:
@@ -528,7 +541,7 @@ class Partition:
         gradient GEMMs, bf16: the inputs of QKV, projection, fc1, fc2 (2sbh, 2sbq, 2sbh, 2sbf) and the gradients of
         their outputs (2sb(q + 2kv), 2sbh, 2sb f_out, 2sbh); with f = 4h and no GQA 32 sbh. On the last stage also
         the output layer's input and the gradient of the logits (2 sbh + 2 s b vocab)."""
-        st, m = self.stage(s), self.model
+        m = self.model
         sb, h = self.tokens(b), m.hidden_size
         n = 0.0
         for i in self.stage_layers(s):
@@ -540,8 +553,7 @@ class Partition:
             attn = 2 * sb * (h + m.q_size) + 2 * sb * (m.q_size + 2 * m.kv_size + h)
             mlp = width * (2 * sb * (h + f) + 2 * sb * (fc1_out + h))
             n += (attn + mlp) / self.tp
-        if st.last:
-            n += (2 * sb * h + 2 * sb * self.padded_vocab) / self.tp
+        n += self.head_share(s) * (2 * sb * h + 2 * sb * self.padded_vocab) / self.tp
         return n
 
     def working_bytes(self, s: int, b: int) -> float:

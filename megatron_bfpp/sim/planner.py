@@ -78,6 +78,9 @@ class SearchSpace:
     grad_reduce_bf16: bool = False
     weight_buffers: int = 2
     grad_buffers: int = 2
+    # What-if of the cost model, no Megatron-LM flag runs it (the benchmarks' `--what-if output-layer-over-pipeline`):
+    # the output layer and loss spread over the P pipeline ranks (`Partition.output_layer_over_pipeline`).
+    output_layer_over_pipeline: bool = False
 
     def __post_init__(self) -> None:
         if self.stock and not self.stock_optimizer:
@@ -90,7 +93,7 @@ class SearchSpace:
                     paired_moe_a2a_overlap=self.paired_moe_a2a_overlap,
                     recompute_num_layers=self.recompute_num_layers, selective_recompute=self.selective_recompute,
                     grad_reduce_bf16=self.grad_reduce_bf16, weight_buffers=self.weight_buffers,
-                    grad_buffers=self.grad_buffers)
+                    grad_buffers=self.grad_buffers, output_layer_over_pipeline=self.output_layer_over_pipeline)
 
     def cp_choices(self, model: ModelProfile) -> tuple[int, ...]:
         if self.cp_sizes is not None:
@@ -360,8 +363,12 @@ class _StageSplits:
             out.append(EVEN_STAGES)
         except ValueError:
             even = None
-        for counts in balanced_layouts(self.model.num_layers, pp, vp, *self.costs(b, recompute)):
-            if counts != even:
+        layer, embedding, head = self.costs(b, recompute)
+        # Under the what-if every rank holds 1/P of the output layer: the layouts that balance the embedding alone
+        # are tried too.
+        heads = (head, 0.0) if self.space.output_layer_over_pipeline else (head,)
+        for counts in (c for h in heads for c in balanced_layouts(self.model.num_layers, pp, vp, layer, embedding, h)):
+            if counts != even and StageSplit(layout=counts) not in out:
                 out.append(StageSplit(layout=counts))
         return out
 

@@ -167,17 +167,58 @@ def _bench(name: str):
     return load_script(f"bench/{name}.py", f"bench_{name}")
 
 
-def test_benchmark_ratios_use_the_stock_search() -> None:
+def test_benchmark_ratios_use_the_stock_search(tmp_path, monkeypatch) -> None:
     """The "vs Megatron" ratios of README.md and docs/simulator.md: bench/regime_table.py divides the planned best of
-    ours by `bfpp plan --stock`'s best, and bench/paper_reproduction.py's "Megatron today" is that same search."""
+    ours by `bfpp plan --stock`'s best in the same space, and bench/paper_reproduction.py's "Megatron today" is that
+    same search."""
     regime = _bench("regime_table")
-    assert regime.SIDES["stock"] is STOCK and regime.SIDES["ours"] == SearchSpace()
+    assert regime.sides_of(SearchSpace()) == {"ours": SearchSpace(), "stock": STOCK}
     assert _bench("paper_reproduction").METHODS["megatron_today"][1] is STOCK
     # Both searched at Megatron's default split here (free layouts: several times the configurations).
-    sides = {"ours": SearchSpace(search_layouts=False), "stock": dataclasses.replace(STOCK, search_layouts=False)}
+    sides = regime.sides_of(SearchSpace(search_layouts=False))
+    assert sides["stock"] == dataclasses.replace(STOCK, search_layouts=False)
     row, = regime.regime_rows(GPT13, H200, 16, [Fraction(1, 2)], sides)
     ours = plan(GPT13, H200, 16, 8, sides["ours"], top=1).candidates[0]
     stock = plan(GPT13, H200, 16, 8, sides["stock"], top=1).candidates[0]
     assert row["stock_tflops_per_gpu"] == stock.tflops_per_gpu and row["stock_schedule"] == stock.config.schedule
     assert row["ratio"] == pytest.approx(ours.tflops_per_gpu / stock.tflops_per_gpu)
+    # Each side's stage layout, memory, step and bound, and load.
+    for side, p in (("ours", ours), ("stock", stock)):
+        assert row[f"{side}_pipeline_model_parallel_layout"] == "even"
+        assert row[f"{side}_peak_memory_gib"] == p.peak_memory_gib
+        assert row[f"{side}_step_lower_bound_s"] == p.step_lower_bound_s <= p.step_time_s
+        assert row[f"{side}_rank_load_max_over_mean"] == p.rank_load_max_over_mean
+    assert row["what_if"] is None and set(row) <= set(regime.FIELDS)
     assert row["stock_can_interleave"] is True and "| 1/2 | 8 |" in regime.markdown([row])
+    # The summary line reads the written table back.
+    monkeypatch.setattr(regime, "RESULTS", tmp_path)
+    regime.write_csv([row], tmp_path / "regime_small.csv")
+    assert regime.summary(["small", "absent"]).splitlines()[-1] == (
+        f"| small | {row['ratio']:.3f}x ({row['ratio_at_any_bound']:.3f}x) |")
+
+
+def test_regime_tables_read_each_model_as_bfpp_plan_does() -> None:
+    """bench/regime_table.py builds both sides from one `read_plan` of the preset's and the table's flags: what
+    they fix (FP8, expert-tensor parallelism, sequence parallelism) holds for ours and for stock alike, and the
+    what-if changes ours only."""
+    regime = _bench("regime_table")
+    h100 = get_hardware("dgx-h100")
+    model, sides = regime.table_inputs("mixtral-8x7b", h100, 64, ["--sequence-parallel", "--fp8-format", "hybrid",
+                                                                  "--fp8-recipe", "tensorwise",
+                                                                  "--expert-tensor-parallel-size", "1"], 16)
+    assert model.is_moe and model.num_experts == 8 and model.num_layers == 32
+    assert sides["stock"] == stock_space(sides["ours"])
+    for space in sides.values():
+        assert space.fp8 == "tensorwise" and space.etp == 1 and space.sequence_parallel and space.search_layouts
+        assert space.ep_choices(model) == (1, 2, 4, 8)
+    # The named tables read (Megatron's parser and the plan's checks) and keep their models apart.
+    for name, table in regime.TABLES.items():
+        model, sides = regime.table_inputs(table.model, get_hardware(table.hardware), table.gpus, table.flags, 64)
+        assert model.name == table.model and sides["stock"].stock, name
+    _, fp8 = regime.table_inputs(*(lambda t: (t.model, get_hardware(t.hardware), t.gpus, t.flags))(
+        regime.TABLES["llama3-70b-h100-fp8"]), 64)
+    assert fp8["ours"].fp8 == fp8["stock"].fp8 == "tensorwise" and fp8["ours"].tp_comm_overlap
+    what_if = regime.sides_of(SearchSpace(), ("output-layer-over-pipeline",))
+    assert what_if["ours"] == SearchSpace(output_layer_over_pipeline=True) and what_if["stock"] == STOCK
+    with pytest.raises(ValueError, match="--what-if"):
+        regime.sides_of(SearchSpace(), ("no-such",))
