@@ -340,5 +340,7 @@ def test_log_num_zeros_in_grad_matches_stock(mlm: Runner) -> None:
     assert all(z is not None for z in want + got), (got, want)
     assert all(v["num zeros"] is not None for v in run.log.values())
     # Gradients agree to ~1e-7 relative, not bitwise (other summation order): an element that is exactly 0.0 in
-    # one run can be 1e-12 in the other, so the counts (a handful among ~200k elements) may differ by one or two.
-    assert all(abs(g - w) <= 2 for g, w in zip(got, want)), (got, want)
+    # one run can be 1e-12 in the other, so the counts (a handful among ~200k elements) may differ by a few, as
+    # far as 3 on some machines (stock 4 where ours counts 1). Counting elements twice, or every element, is far
+    # beyond that.
+    assert all(abs(g - w) <= 5 for g, w in zip(got, want)), (got, want)
