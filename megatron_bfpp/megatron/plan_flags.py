@@ -188,24 +188,20 @@ def read_plan(flags: Sequence[str], gpus: int, hw: Hardware, options: SearchOpti
 def _split(found: dict[str, list[str]], args) -> StageSplit:
     """The split every candidate keeps: a fixed --pipeline-model-parallel-layout (P then divides its stages), the
     uneven-split flags, or Megatron's default (the search then also tries free layouts)."""
+    split = StageSplit(_single("--decoder-first-pipeline-num-layers", found.get("--decoder-first-pipeline-num-layers")),
+                       _single("--decoder-last-pipeline-num-layers", found.get("--decoder-last-pipeline-num-layers")),
+                       bool(args.account_for_embedding_in_pipeline_split),
+                       bool(args.account_for_loss_in_pipeline_split))
     layouts = found.get("--pipeline-model-parallel-layout")
-    if layouts:
-        if len(set(layouts)) > 1:
-            raise FlagError("--pipeline-model-parallel-layout given twice: plan keeps it fixed; give one (or none, "
-                            "and plan searches layouts)")
-        try:
-            return StageSplit(layout=parse_layout(layouts[0]), account_for_embedding=bool(
-                args.account_for_embedding_in_pipeline_split), account_for_loss=bool(
-                args.account_for_loss_in_pipeline_split), first_pipeline_num_layers=_single(
-                "--decoder-first-pipeline-num-layers", found.get("--decoder-first-pipeline-num-layers")),
-                last_pipeline_num_layers=_single("--decoder-last-pipeline-num-layers",
-                                                 found.get("--decoder-last-pipeline-num-layers")))
-        except ValueError as e:
-            raise FlagError(str(e)) from None
-    return StageSplit(_single("--decoder-first-pipeline-num-layers", found.get("--decoder-first-pipeline-num-layers")),
-                      _single("--decoder-last-pipeline-num-layers", found.get("--decoder-last-pipeline-num-layers")),
-                      bool(args.account_for_embedding_in_pipeline_split),
-                      bool(args.account_for_loss_in_pipeline_split))
+    if not layouts:
+        return split
+    if len(set(layouts)) > 1:
+        raise FlagError("--pipeline-model-parallel-layout given twice: plan keeps it fixed; give one (or none, "
+                        "and plan searches layouts)")
+    try:  # StageSplit refuses the split flags beside a layout
+        return dataclasses.replace(split, layout=parse_layout(layouts[0]))
+    except ValueError as e:
+        raise FlagError(str(e)) from None
 
 
 def _experts(space: SearchSpace, model: ModelProfile, args, notes: list[str]) -> SearchSpace:
