@@ -160,6 +160,8 @@ def regime_rows(model: ModelProfile, hw: Hardware, gpus: int, betas: list[Fracti
         if found is None:
             raise SystemExit(f"nothing fits at global batch {batch}")
         bound, c = found
+        if ours and ours.step_lower_bound_s < bound:  # a layout the search refined for ours' plan
+            bound, c = ours.step_lower_bound_s, ours.config
         row["any_bound_s"] = bound
         row["ratio_at_any_bound"] = stock.step_time_s / bound if stock else None
         row["any_bound_layout"] = f"{c.schedule}, {_sizes(c)}, layout {_stage_layout(c)}"

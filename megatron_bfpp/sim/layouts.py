@@ -12,7 +12,7 @@ output layer alone.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 # Megatron's unrolling, in its order: `(...)*n` first, then `x*n` (parse_str_to_list).
 _UNROLL = (re.compile(r"\(([^)]+)\)\*(\d+)"), re.compile(r"(.)\*(\d+)"))
@@ -114,3 +114,43 @@ def balanced_layouts(num_layers: int, pp: int, vp: int, layer: float, embedding:
             if tuple(counts) not in out:
                 out.append(tuple(counts))
     return out
+
+
+def layer_moves(counts: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every layout one decoder layer away from `counts`: a layer of the first stage, of the last stage or of a
+    stage holding two or more moved to any other stage, so that the stages between the first and the last keep
+    one each (the rule of `balanced_layouts`). In stage order of the layer's source, then of its destination."""
+    n = len(counts)
+    out = []
+    for src in range(n):
+        if counts[src] == 0 or (0 < src < n - 1 and counts[src] < 2):
+            continue
+        for dst in range(n):
+            if dst != src:
+                moved = list(counts)
+                moved[src] -= 1
+                moved[dst] += 1
+                out.append(tuple(moved))
+    return out
+
+
+def climb_layout(counts: Sequence[int], score: Callable[[tuple[int, ...]], float | None], start: float,
+                 budget: int) -> tuple[tuple[int, ...], float, int]:
+    """Local search from `counts` (scoring `start`): take the first of `layer_moves` that `score`s lower (None: a
+    layout that cannot run, not counted), until none does or `budget` scores are spent. Returns the layout, its
+    score and the scores spent."""
+    best, best_score, spent = tuple(counts), start, 0
+    improved = True
+    while improved and spent < budget:
+        improved = False
+        for moved in layer_moves(best):
+            if spent >= budget:
+                break
+            value = score(moved)
+            if value is None:
+                continue
+            spent += 1
+            if value < best_score * (1 - 1e-9):
+                best, best_score, improved = moved, value, True
+                break
+    return best, best_score, spent
