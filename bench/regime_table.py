@@ -35,14 +35,15 @@ from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple
 
-from megatron_bfpp.megatron.plan_flags import SIZE_FLAGS, SearchOptions, read_plan, take
+from megatron_bfpp.megatron.plan_flags import SIZE_FLAGS, SearchOptions, base_flags, read_plan, take
 from megatron_bfpp.megatron.presets import preset_flags
+from megatron_bfpp.megatron.sim_flags import launch_flags
 from megatron_bfpp.sim import SearchSpace, get_hardware, plan, stock_space
 from megatron_bfpp.sim.costs import Config
 from megatron_bfpp.sim.hardware import Hardware
-from megatron_bfpp.sim.layouts import layout_string
-from megatron_bfpp.sim.model import ModelProfile
-from megatron_bfpp.sim.planner import enumerate_configs, smallest_lower_bound, stock_schedule
+from megatron_bfpp.sim.layouts import layout_string, parse_layout
+from megatron_bfpp.sim.model import ModelProfile, StageSplit
+from megatron_bfpp.sim.planner import enumerate_configs, smallest_lower_bound, stated_group_size, stock_schedule
 from megatron_bfpp.sim.predict import Prediction
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -231,6 +232,37 @@ def read_csv(path: Path) -> list[dict]:
     """A table's rows as `write_csv` wrote them (numbers as text)."""
     with path.open(newline="") as f:
         return list(csv.DictReader(f))
+
+
+def _true(value: object) -> bool:
+    return value in (True, "True")  # as regime_rows holds it, or as read_csv reads it back
+
+
+def row_config(row: dict, side: str, space: SearchSpace) -> Config:
+    """The plan of `side` ("ours" or "stock") in a row (as `regime_rows` made it or `read_csv` read it back), as the
+    planner built it in `space`, that side's search space (`table_inputs`): the row's sizes, schedule, ZeRO stage,
+    recomputation, group size, parameter gather and stage layout on the space's fixed settings."""
+    def get(key: str):
+        return row[f"{side}_{key}"]
+
+    pp, m, schedule = int(get("pipeline_model_parallel_size")), int(get("num_micro_batches")), get("schedule")
+    layout = get("pipeline_model_parallel_layout")
+    split = space.split if layout == "even" else StageSplit(layout=parse_layout(layout))
+    cfg = space.config(int(get("tensor_model_parallel_size")), pp, int(get("virtual_pipeline_model_parallel_size")),
+                       int(get("data_parallel_size")), int(get("micro_batch_size")), m, schedule,
+                       int(get("zero_stage")), _true(get("recompute")), split,
+                       int(get("context_parallel_size") or 1), int(get("expert_model_parallel_size") or 1))
+    group = get("microbatch_group_size_per_vp_stage")
+    return dataclasses.replace(cfg, group_size=stated_group_size(schedule, pp, m, int(group) if group else None),
+                               param_gather_with_optimizer=_true(get("overlap_param_gather_with_optimizer_step")))
+
+
+def row_launch_args(table: Table, row: dict, side: str, model: ModelProfile, space: SearchSpace) -> list[str]:
+    """The `pretrain_gpt.py` flags that launch a row's plan of `side` in `table` (`model` and `space` from
+    `table_inputs`): `bfpp plan --json`'s megatron_base_args, then the candidate's megatron_args (`launch_flags`).
+    ValueError for ours planned under a what-if, which no flag runs."""
+    flags = [*preset_flags(table.model), *table.flags, "--global-batch-size", str(row["global_batch_size"])]
+    return [*base_flags(flags), *launch_flags(row_config(row, side, space), model)]
 
 
 def summary(names: list[str]) -> str:

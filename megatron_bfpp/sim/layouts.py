@@ -12,6 +12,7 @@ output layer alone.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 # Megatron's unrolling, in its order: `(...)*n` first, then `x*n` (parse_str_to_list).
@@ -154,3 +155,70 @@ def climb_layout(counts: Sequence[int], score: Callable[[tuple[int, ...]], float
                 best, best_score, improved = moved, value, True
                 break
     return best, best_score, spent
+
+
+@dataclass(frozen=True)
+class ScaledLayout:
+    """A small run with a layout's pattern: each stage's decoder layers (None: Megatron's default even split, no
+    layout flag, one layer per stage), P and V = stages / P."""
+
+    counts: tuple[int, ...] | None
+    pp: int
+    vp: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.pp * self.vp if self.counts is None else sum(self.counts)
+
+    @property
+    def layout(self) -> str | None:
+        """The `--pipeline-model-parallel-layout` (None for the even split)."""
+        return None if self.counts is None else layout_string(self.counts)
+
+
+def _empty_rank(counts: Sequence[int], pp: int) -> bool:
+    """Whether some pipeline rank holds nothing at all: no decoder layer, nor the embedding, nor the output layer."""
+    n = len(counts)
+    return any(all(counts[s] == 0 and s not in (0, n - 1) for s in range(r, n, pp)) for r in range(pp))
+
+
+def scale_down_layout(counts: Sequence[int], pp: int) -> ScaledLayout:
+    """The layout `counts` (each of its P * V stages' decoder layers, as `parse_layout` reads them) at a size a
+    CPU runs, with the same pattern: the distinct layer counts mapped in order to 1, 2, 3, ... (0 stays 0: an `E`
+    or `L` alone, an empty stage), the first and last stage kept as they are (with `E` and `L`), each run of
+    identical stages between them shortened to two (a lone stage keeps its place between the runs), and the
+    stages made a multiple of the smallest P >= 2 that keeps whether a rank holds nothing at all (a rank without
+    parameters), by lengthening the longest run (V = stages / P). ValueError when no P up to the stage count can."""
+    n = len(counts)
+    if n == 0 or pp < 1 or n % pp or any(c < 0 for c in counts):
+        raise ValueError(f"{n} stages of {list(counts)} do not split over P = {pp} pipeline ranks")
+    small = {c: i for i, c in enumerate(sorted(set(counts) | {0}))}  # 0 first: it stays 0
+    mapped = [small[c] for c in counts]
+    if n == 1:
+        return ScaledLayout(tuple(mapped), 1, 1)
+    runs: list[list[int]] = []  # [layer count, stages] of each run of identical stages between the first and last
+    for c in mapped[1:-1]:
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    longest = max(range(len(runs)), key=lambda i: (runs[i][1], -i), default=None)
+    kept = [min(length, 2) for _, length in runs]
+    empty = _empty_rank(counts, pp)
+    for p in range(2, n + 1):
+        need = -(2 + sum(kept)) % p
+        if need and (longest is None or runs[longest][1] < 2):
+            continue  # only a run may grow: a lone stage would become a run
+        lengths = [k + (need if i == longest else 0) for i, k in enumerate(kept)]
+        scaled = (mapped[0], *(c for (c, _), k in zip(runs, lengths) for _ in range(k)), mapped[-1])
+        if _empty_rank(scaled, p) == empty:
+            return ScaledLayout(scaled, p, len(scaled) // p)
+    raise ValueError(f"no P up to {n} keeps the pattern of {layout_string(counts)!r} at P = {pp}")
+
+
+def scale_down_even(vp: int) -> ScaledLayout:
+    """Megatron's default split (equal stages, no layout flag) at V stages per rank, at a size a CPU runs: one
+    decoder layer per stage on P = 2, with V = 2 for any V >= 2 (V = 1 stays)."""
+    if vp < 1:
+        raise ValueError(f"V = {vp}: at least one stage per rank")
+    return ScaledLayout(None, 2, 2 if vp >= 2 else 1)

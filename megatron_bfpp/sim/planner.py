@@ -101,6 +101,21 @@ class SearchSpace:
                     grad_reduce_bf16=self.grad_reduce_bf16, weight_buffers=self.weight_buffers,
                     grad_buffers=self.grad_buffers, output_layer_over_pipeline=self.output_layer_over_pipeline)
 
+    @functools.cached_property
+    def _fixed(self) -> dict:
+        return self.layer_settings()  # once per space: `config` runs for every candidate enumerated
+
+    def config(self, tp: int, pp: int, vp: int, dp: int, micro_batch_size: int, microbatches: int, schedule: str,
+               zero_stage: int, recompute: bool, split: StageSplit, cp: int = 1, ep: int = 1) -> Config:
+        """The candidate of this space at these sizes, schedule, ZeRO stage, recomputation and split: everything
+        else as the space fixes it (the group size the schedule's default)."""
+        fixed = self._fixed
+        return Config(tp, pp, vp, dp, micro_batch_size, microbatches, schedule, zero_stage, recompute, None,
+                      self.dp_overlap, self.p2p_overlap, w_reruns_input_grad=self.w_reruns_input_grad,
+                      w_at_input_grad=self.w_at_input_grad, split=split, stock_optimizer=self.stock_optimizer,
+                      cp=cp, ep=ep, **{**fixed, "recompute_num_layers": fixed["recompute_num_layers"] if recompute
+                                       else None})
+
     def cp_choices(self, model: ModelProfile) -> tuple[int, ...]:
         if self.cp_sizes is not None:
             return self.cp_sizes
@@ -219,6 +234,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def stated_group_size(schedule: str, pp: int, m: int, group_size: int | None) -> int | None:
+    """The group size a candidate states (`Config.group_size`, a launch's flag): None where it is the schedule's
+    default at P and M."""
+    return None if group_size == KINDS[schedule].group_size_for(pp, m, None) else group_size
+
+
 def _group_sizes(schedule: str, pp: int, m: int, search: bool) -> list[int | None]:
     """The group sizes to try: the kind's default alone without `search`; else P, 2P, 4P, ... below M, and M."""
     kind = KINDS[schedule]
@@ -319,7 +340,7 @@ def enumerate_configs(model: ModelProfile, hw: Hardware, gpus: int, global_batch
                     if not model.is_moe and ep != 1:
                         continue
                     stage_splits = _StageSplits(model, hw, space, fixed, tp, cp, ep) if free else None
-                    _layouts(out, bad, model, space, fixed, tp, cp, pp, dp, ep, global_batch // dp, splits,
+                    _layouts(out, bad, model, space, tp, cp, pp, dp, ep, global_batch // dp, splits,
                              stage_splits)
     return out, bad
 
@@ -380,7 +401,7 @@ class _StageSplits:
 
 
 def _layouts(out: list[Config], bad: list[tuple[Config | None, str]], model: ModelProfile, space: SearchSpace,
-             fixed: dict, tp: int, cp: int, pp: int, dp: int, ep: int, per_dp: int, splits: list[int],
+             tp: int, cp: int, pp: int, dp: int, ep: int, per_dp: int, splits: list[int],
              stage_splits: _StageSplits | None = None) -> None:
     """The configurations of one T, CP, P, D, EP layout: every b, schedule, V, group size, ZeRO stage,
     recomputation and (with `stage_splits`) stage split the space allows."""
@@ -404,12 +425,7 @@ def _layouts(out: list[Config], bad: list[tuple[Config | None, str]], model: Mod
                                                        and space.dp_overlap) else (False,)
                     for rc, split in ((rc, split) for rc in space.recompute for split in (
                             stage_splits.splits(pp, vp, b, rc) if stage_splits else [space.split])):
-                        base = Config(tp, pp, vp, dp, b, m, sched, zero, rc, None,
-                                      space.dp_overlap, space.p2p_overlap,
-                                      w_reruns_input_grad=space.w_reruns_input_grad,
-                                      w_at_input_grad=space.w_at_input_grad, split=split,
-                                      stock_optimizer=space.stock_optimizer, cp=cp, ep=ep,
-                                      **{**fixed, "recompute_num_layers": fixed["recompute_num_layers"] if rc else None})
+                        base = space.config(tp, pp, vp, dp, b, m, sched, zero, rc, split, cp, ep)
                         if m > space.max_microbatches:
                             bad.append((base, f"M={m} micro-batches per step exceeds the search limit "
                                               f"{space.max_microbatches}; a larger micro-batch size covers it"))
@@ -419,9 +435,8 @@ def _layouts(out: list[Config], bad: list[tuple[Config | None, str]], model: Mod
                             continue
                         for gs in groups:
                             for with_opt in gather_options:
-                                out.append(dataclasses.replace(
-                                    base, group_size=None if gs == KINDS[sched].group_size_for(pp, m, None)
-                                    else gs, param_gather_with_optimizer=with_opt))
+                                out.append(dataclasses.replace(base, group_size=stated_group_size(sched, pp, m, gs),
+                                                               param_gather_with_optimizer=with_opt))
 
 
 def stock_fallback_layouts(configs: list[Config]) -> list[tuple[int, int, int, int, int]]:

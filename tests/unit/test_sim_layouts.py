@@ -10,7 +10,8 @@ from typing import Iterator
 import pytest
 
 from megatron_bfpp.sim import STOCK, SearchSpace, get_hardware, plan
-from megatron_bfpp.sim.layouts import balanced_layouts, climb_layout, layer_moves, layout_string, parse_layout
+from megatron_bfpp.sim.layouts import ScaledLayout, balanced_layouts, climb_layout, layer_moves, layout_string, \
+    parse_layout, scale_down_even, scale_down_layout
 from megatron_bfpp.sim.model import ModelProfile, Partition, StageSplit, stage_layer_counts
 from megatron_bfpp.sim.planner import enumerate_configs
 
@@ -201,3 +202,82 @@ def test_the_planner_refines_the_best_layouts_for_ours_and_for_stock() -> None:
         assert refined.simulated > balanced.simulated  # the refinement's simulations are counted
         steps = [p.step_time_s for p in refined.candidates]
         assert steps == sorted(steps) and len({p.config for p in refined.candidates}) == len(steps)
+
+
+# ------------------------------------------------------------------------------------------------ scaled down
+
+# The regime tables' layouts (bench/results/regime_*.csv) and a few more, at their P -> (scaled layout, P, V).
+SCALED = [
+    ("E|(t|)*54tt|(t|)*7tL", 8, "E|(t|)*3tt|(t|)*2tL", 2, 4),  # the longest run grows to fill P * V
+    ("Et|(t|)*77tt|L", 4, "Et|(t|)*3tt|L", 2, 3),
+    ("Ett|ttt|tt|(ttt|)*24tL", 2, "Ett|ttt|tt|(ttt|)*2tL", 2, 3),
+    ("Et*10|(t*10|)*4(t*11|)*2t*8L", 8, "Ett|(tt|)*2(ttt|)*2tL", 2, 3),  # {8, 10, 11} -> {1, 2, 3}
+    ("Ett|(tt|)*12(ttt|)*18L", 32, "Et|(t|)*2(tt|)*2L", 2, 3),
+    ("E|(t|)*78ttL", 4, "E|(t|)*2ttL", 2, 2),
+    ("Ett|(tt|)*36ttt|tt|tL", 2, "Ett|(tt|)*2ttt|tt|tL", 2, 3),
+    ("Et|(t|)*76tt|t|L", 2, "Et|(t|)*2tt|t|L", 2, 3),
+    ("Ett|tt|(ttt|)*25tL", 4, "Ett|tt|(ttt|)*3tL", 2, 3),
+    ("E||ttt|tL", 2, "E||tt|tL", 2, 2),  # an empty stage stays empty
+    ("Ett||ttL", 3, "Et||tL", 3, 1),  # rank 1 holds nothing: P = 2 cannot keep that
+    ("E|tt|tt|L", 4, "E|(t|)*2L", 2, 2),  # ranks holding E or L alone have parameters: P = 2 will do
+    ("Et*5|t*5L", 2, "Et|tL", 2, 1),
+]
+
+
+@pytest.mark.parametrize("text, pp, scaled, small_pp, small_vp", SCALED, ids=[c[0] for c in SCALED])
+def test_scale_down_keeps_the_pattern(text: str, pp: int, scaled: str, small_pp: int, small_vp: int) -> None:
+    s = scale_down_layout(parse_layout(text), pp)
+    assert (s.layout, s.pp, s.vp) == (scaled, small_pp, small_vp)
+    assert s.num_layers == sum(s.counts) and _megatron_counts(scaled) == s.counts
+    PipelineParallelLayerLayout(scaled, s.pp).validate_layer_layout(num_layers=s.num_layers, mtp_num_layers=None)
+
+
+def _runs(counts) -> list[tuple[int, int]]:
+    """(layer count, length) of each run of equal stages between the first and the last."""
+    out: list[list[int]] = []
+    for c in counts[1:-1]:
+        if out and out[-1][0] == c:
+            out[-1][1] += 1
+        else:
+            out.append([c, 1])
+    return [tuple(r) for r in out]
+
+
+def test_scaled_layouts_keep_every_feature_of_random_layouts() -> None:
+    """Against random layouts: E or L alone stays alone, the layer counts keep their order (0 stays 0), the runs
+    and lone stages between the ends keep their order, a run keeps at least two stages and at most two but the
+    one grown to fill P * V, a rank holding nothing stays, Megatron reads and accepts the layout, and a scaled
+    layout scales to itself."""
+    rng = random.Random(1)
+    for _ in range(300):
+        pp = rng.choice((2, 3, 4, 8))
+        n = pp * rng.randint(1, 6)
+        counts = tuple(rng.choice((0, 1, 2, 9)) if s in (0, n - 1) else
+                       rng.choice((1, 1, 1, 2, 3)) if rng.random() < 0.9 else 0 for s in range(n))
+        s = scale_down_layout(counts, pp)
+        text = layout_string(counts)
+        assert len(s.counts) == s.pp * s.vp and s.num_layers == sum(s.counts), text
+        assert (s.counts[0] == 0, s.counts[-1] == 0) == (counts[0] == 0, counts[-1] == 0), text
+        runs, small_runs = _runs(counts), _runs(s.counts)
+        assert len(runs) == len(small_runs), text
+        # The layer counts of the first stage, the last and each run, mapped: 0 to 0, in order, onto 1, 2, ...
+        pairs = {(counts[0], s.counts[0]), (counts[-1], s.counts[-1]), *((a, b) for (a, _), (b, _) in
+                                                                           zip(runs, small_runs))}
+        assert {a: b for a, b in pairs} == {a: sorted({0, *(x for x, _ in pairs)}).index(a) for a, _ in pairs}, text
+        grown = [(a, b) for (_, a), (_, b) in zip(runs, small_runs) if b != min(a, 2)]
+        assert len(grown) <= 1 and all(a >= 2 and b > 2 for a, b in grown), text
+        empty = lambda c, p: any(all(c[i] == 0 and i not in (0, len(c) - 1) for i in range(r, len(c), p))  # noqa: E731
+                                 for r in range(p))
+        assert empty(counts, pp) == empty(s.counts, s.pp), text
+        assert _megatron_counts(s.layout) == s.counts, text
+        PipelineParallelLayerLayout(s.layout, s.pp).validate_layer_layout(num_layers=s.num_layers, mtp_num_layers=None)
+        assert scale_down_layout(s.counts, s.pp) == s, text
+
+
+def test_scale_down_the_even_split_and_refusals() -> None:
+    assert scale_down_even(16) == ScaledLayout(None, 2, 2) and scale_down_even(2).num_layers == 4
+    assert scale_down_even(1) == ScaledLayout(None, 2, 1) and scale_down_even(1).layout is None
+    with pytest.raises(ValueError, match="V = 0"):
+        scale_down_even(0)
+    with pytest.raises(ValueError, match="3 stages of .* do not split over P = 2"):
+        scale_down_layout((1, 2, 1), 2)
