@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -91,7 +92,7 @@ def test_ceiling_is_above_what_the_planner_reaches() -> None:
     # 4 sequences on 16 GPUs: the profile bound (compute only) ranks first configurations whose communication the
     # schedule's bound charges, so the search must go on past the first that fits (42 of 184 visited).
     space = SearchSpace(micro_batch_sizes=(1,), zero_stages=(0, 3), recompute=(False,), vp_sizes=(2, 3),
-                        schedules=("1f1b", "breadth-first"))
+                        schedules=("1f1b", "breadth-first"), refine_layouts=False)
     bound, cfg = smallest_lower_bound(model, hw, 16, 4, space)
     ours = plan(model, hw, 16, 4, space, top=1).candidates[0]
     assert bound <= ours.step_time_s * (1 + 1e-12)  # equal where the bound is exact
@@ -100,6 +101,9 @@ def test_ceiling_is_above_what_the_planner_reaches() -> None:
                  step_lower_bound_s(schedule_for(c), analytic_costs(hw, c.partition(model), c)))
              for c in enumerate_configs(model, hw, 16, 4, space)[0] if unfit_reason(model, hw, c) is None]
     assert bound == pytest.approx(min(every), rel=1e-12)
+    # Refining the found configuration's layout by its bound only lowers it.
+    refined, refined_cfg = smallest_lower_bound(model, hw, 16, 4, dataclasses.replace(space, refine_layouts=True))
+    assert refined <= bound and (refined == bound) == (refined_cfg == cfg)
 
 
 def test_rank_work_holds_the_turn_and_the_last_stage_pace() -> None:
