@@ -39,6 +39,8 @@ STOCK_ZERO_STAGE = 1  # Megatron's distributed optimizer
 # simulations it spends on each at most (a climb step on 64 stages tries up to a few hundred moves).
 REFINED_CANDIDATES = 3
 REFINE_SIMULATIONS = 600
+# The next configurations, by simulated step, that try the refined layouts of their pipeline shape.
+TRANSFER_CANDIDATES = 20
 
 
 @dataclass(frozen=True)
@@ -497,6 +499,38 @@ def refine_layout(model: ModelProfile, hw: Hardware, best: Prediction, bounds: "
     return found[counts], spent
 
 
+def _refine_best(model: ModelProfile, hw: Hardware, fitting: list[Prediction],
+                 bounds: "_Bounds") -> tuple[list[Prediction], int]:
+    """`fitting` (best first) with the best `REFINED_CANDIDATES` layouts refined (`refine_layout`) and the next
+    `TRANSFER_CANDIDATES` configurations moved to a refined layout of their P and stage count where it simulates
+    faster (a layout found for one schedule, ZeRO stage or micro-batch group often suits another), best first
+    again; and the simulations spent."""
+    spent = 0
+    refined = []
+    for p in fitting[:REFINED_CANDIDATES]:
+        better, used = refine_layout(model, hw, p, bounds)
+        refined.append(better)
+        spent += used
+    found = {(p.config.pp, p.config.split.layout) for p in refined if p.config.split.layout is not None}
+    moved = []
+    for p in fitting[REFINED_CANDIDATES:REFINED_CANDIDATES + TRANSFER_CANDIDATES]:
+        for pp, layout in found:
+            if pp != p.config.pp or len(layout) != pp * p.config.vp or layout == p.config.split.layout:
+                continue
+            trial = dataclasses.replace(p.config, split=StageSplit(layout=layout))
+            if unfit_reason(model, hw, trial, bounds) is not None:
+                continue
+            spent += 1
+            q = predict(model, hw, trial)
+            if q.step_time_s < p.step_time_s:
+                p = q
+        moved.append(p)
+    out = refined + moved + fitting[REFINED_CANDIDATES + TRANSFER_CANDIDATES:]
+    out = list({p.config: p for p in reversed(out)}.values())[::-1]  # two may end at the same configuration
+    out.sort(key=lambda x: (-round(x.tflops_per_gpu, 6), x.config.split_backward))
+    return out, spent
+
+
 def unfit_reason(model: ModelProfile, hw: Hardware, cfg: Config, bounds: _Bounds | None = None) -> str | None:
     """Why `cfg` cannot run on `hw` (its model state or its peak memory exceeds the usable memory, or the
     configuration is refused), or None when it fits. `bounds`: a shared `_Bounds` (its caches) when checking many."""
@@ -551,11 +585,8 @@ def plan(model: ModelProfile, hw: Hardware, gpus: int, global_batch: int, space:
         # Ties go to the fused schedule: a split one that predicts no more has only extra actions to offer.
         fitting.sort(key=lambda x: (-round(x.tflops_per_gpu, 6), x.config.split_backward))
     if free_layouts(space) and space.refine_layouts:
-        for i, p in enumerate(fitting[:REFINED_CANDIDATES]):
-            fitting[i], spent = refine_layout(model, hw, p, bounds)
-            simulated += spent
-        fitting = list({p.config: p for p in reversed(fitting)}.values())[::-1]  # two may refine alike
-        fitting.sort(key=lambda x: (-round(x.tflops_per_gpu, 6), x.config.split_backward))
+        fitting, spent = _refine_best(model, hw, fitting, bounds)
+        simulated += spent
     best = fitting[0].tflops_per_gpu if fitting else 0.0
     rejected.sort(key=lambda r: -r.tflops_upper_bound)
     seen: set[str] = set()  # one entry per distinct reason (e.g. "M >= P" is the same for every ZeRO stage)
