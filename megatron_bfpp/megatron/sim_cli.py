@@ -89,7 +89,8 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="search micro-batch group sizes (off: P for interleaved, M for breadth-first)")
     p.add_argument("--layout-search", choices=("on", "off"), default="on",
                    help="beside Megatron's default split, try free stage layouts (--pipeline-model-parallel-layout) "
-                        "that give the ranks holding the embedding and the output layer fewer layers, at any P and V "
+                        "that give the ranks holding the embedding and the output layer fewer layers, at any P and V, "
+                        "then refine the best ones by moving single layers while the simulated step shortens "
                         "(default on; off: equal stages only, as without the flag)")
     p.add_argument("--max-microbatches", type=int, default=256, help="largest M simulated (default 256)")
     p.add_argument("--top", type=int, default=5, help="candidates to return (default 5)")
