@@ -315,7 +315,9 @@ def test_cli_simulate_and_plan_accept_the_new_schedules(subprocesses):
     assert out.returncode == 0, out.stderr
     config = json.loads(out.stdout)["config"]
     assert config["w_at_input_grad"] is True and config["w_reruns_input_grad"] is False
-    out = _bfpp("plan", *base, "--pipeline-schedule", "interleaved-zb", "--top", "2", "--json")
+    # Megatron's split only: the free layouts and their refinement (tests/unit/test_sim_layouts.py) would add 15 s.
+    out = _bfpp("plan", *base, "--pipeline-schedule", "interleaved-zb", "--top", "2", "--json", "--layout-search",
+                "off")
     assert out.returncode == 0, out.stderr
     cands = json.loads(out.stdout)["candidates"]
     assert cands and all(c["config"]["pipeline_schedule"] == "interleaved-zb" for c in cands)
