@@ -281,3 +281,32 @@ def test_scale_down_the_even_split_and_refusals() -> None:
         scale_down_even(0)
     with pytest.raises(ValueError, match="3 stages of .* do not split over P = 2"):
         scale_down_layout((1, 2, 1), 2)
+
+
+def test_the_next_configurations_take_a_refined_layout_where_it_is_faster() -> None:
+    """`_refine_best`: the best three refined, then each of the next 20 moved to a refined layout of its shape
+    only where that simulates faster (BIG_VOCAB at T/P = 8/2, M = 8: of the 10 that could take one, 1 is faster
+    with it and 9 are not), best first, each configuration once."""
+    from megatron_bfpp.sim.planner import REFINED_CANDIDATES, TRANSFER_CANDIDATES, _Bounds, _refine_best, \
+        refine_layout
+
+    space = SearchSpace(tp_sizes=(8,), pp_sizes=(2,), micro_batch_sizes=(1,), recompute=(False,), cp_sizes=(1,),
+                        refine_layouts=False)
+    fitting = plan(BIG_VOCAB, H100, 64, 32, space, top=30).candidates
+    bounds = _Bounds(BIG_VOCAB, H100)
+    out, spent = _refine_best(BIG_VOCAB, H100, fitting, bounds)
+    refined = [refine_layout(BIG_VOCAB, H100, p, bounds)[0] for p in fitting[:REFINED_CANDIDATES]]
+    layouts = {p.config.split.layout for p in refined}
+    by_config = {p.config: p for p in out}
+    assert all(by_config[p.config].step_time_s == p.step_time_s for p in refined)
+    moved = 0
+    for p in fitting[REFINED_CANDIDATES:REFINED_CANDIDATES + TRANSFER_CANDIDATES]:
+        if p.config in by_config:
+            continue
+        moved += 1
+        q = by_config[dataclasses.replace(p.config, split=StageSplit(layout=next(
+            lay for lay in layouts if dataclasses.replace(p.config, split=StageSplit(layout=lay)) in by_config)))]
+        assert q.step_time_s < p.step_time_s
+    assert moved >= 1 and spent > 0
+    steps = [p.step_time_s for p in out]  # best first (ties as the planner breaks them)
+    assert all(a <= b * (1 + 1e-9) for a, b in zip(steps, steps[1:])) and len(by_config) == len(out)
