@@ -26,7 +26,6 @@ Run: python bench/moe_overlap.py [--models qwen3-30b-a3b mixtral-8x7b] [--gpus 2
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -37,6 +36,8 @@ from megatron_bfpp.megatron.presets import preset_flags
 from megatron_bfpp.sim import get_hardware, plan
 from megatron_bfpp.sim.hardware import Hardware
 from megatron_bfpp.sim.predict import Prediction
+
+import results_csv  # bench/, which `python bench/<script>.py` puts first on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")
@@ -180,11 +181,7 @@ def findings(rows: list[dict], threshold: float = 0.10) -> str:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    results_csv.write_csv(rows, path, FIELDS)
 
 
 CAVEAT = (

@@ -36,6 +36,8 @@ from pathlib import Path
 from megatron_bfpp.sim import STOCK, SearchSpace, get_hardware, get_model, plan
 from megatron_bfpp.sim.predict import Prediction, config_dict
 
+import results_csv  # bench/, which `python bench/<script>.py` puts first on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Every method on Megatron's default split and the balanced layouts, not refined (`refine_layouts`): the
@@ -105,11 +107,7 @@ def _row(key: str, beta: Fraction, batch: int, p: Prediction | None, why: str) -
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    results_csv.write_csv(rows, path, FIELDS)
 
 
 def _fmt_beta(b: float) -> str:

@@ -46,6 +46,8 @@ from megatron_bfpp.sim.model import ModelProfile, StageSplit
 from megatron_bfpp.sim.planner import enumerate_configs, smallest_lower_bound, stated_group_size, stock_schedule
 from megatron_bfpp.sim.predict import Prediction
 
+import results_csv  # bench/, which `python bench/<script>.py` puts first on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 BETAS = [Fraction(1, 32), Fraction(1, 16), Fraction(1, 8), Fraction(1, 4), Fraction(1, 2), Fraction(1)]
@@ -221,11 +223,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    results_csv.write_csv(rows, path, FIELDS)
 
 
 def read_csv(path: Path) -> list[dict]:

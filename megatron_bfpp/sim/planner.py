@@ -527,8 +527,14 @@ def _refine_best(model: ModelProfile, hw: Hardware, fitting: list[Prediction],
         moved.append(p)
     out = refined + moved + fitting[REFINED_CANDIDATES + TRANSFER_CANDIDATES:]
     out = list({p.config: p for p in reversed(out)}.values())[::-1]  # two may end at the same configuration
-    out.sort(key=lambda x: (-round(x.tflops_per_gpu, 6), x.config.split_backward))
+    out.sort(key=plan_rank)
     return out, spent
+
+
+def plan_rank(p: Prediction) -> tuple[float, bool]:
+    """The order of a plan's candidates: fastest first; ties go to the fused schedule, since a split one that
+    predicts no more has only extra actions to offer."""
+    return -round(p.tflops_per_gpu, 6), p.config.split_backward
 
 
 def unfit_reason(model: ModelProfile, hw: Hardware, cfg: Config, bounds: _Bounds | None = None) -> str | None:
@@ -582,8 +588,7 @@ def plan(model: ModelProfile, hw: Hardware, gpus: int, global_batch: int, space:
         p = predict(model, hw, cfg)
         simulated += 1
         fitting.append(p)
-        # Ties go to the fused schedule: a split one that predicts no more has only extra actions to offer.
-        fitting.sort(key=lambda x: (-round(x.tflops_per_gpu, 6), x.config.split_backward))
+        fitting.sort(key=plan_rank)
     if free_layouts(space) and space.refine_layouts:
         fitting, spent = _refine_best(model, hw, fitting, bounds)
         simulated += spent

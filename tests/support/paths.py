@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -28,8 +29,14 @@ def megatron_lm_dir() -> str | None:
 
 
 def load_script(relative: str, name: str) -> ModuleType:
-    """A script of the clone that is not a package module (bench/*.py, scripts/*.py), imported from its path."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / relative)
+    """A script of the clone that is not a package module (bench/*.py, scripts/*.py), imported from its path with its
+    folder first on sys.path while it loads, as `python <script>` has it (bench/results_csv.py is found so)."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
     return module
