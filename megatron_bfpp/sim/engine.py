@@ -200,8 +200,8 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
       times (the best order for one machine with release times); then the reduction of the stage it ends
       with. The fill, each forward round's wait for its first micro-batch and, at M <= P, the turn from
       forwards to backwards and the last stage's pace are in it. Its data-parallel stream likewise: every
-      gradient reduction of its stages, each after a backward of that stage has started (the stage's last
-      reduction after its last backward has)."""
+      gradient reduction of its stages, each after a backward of that stage has produced its first bucket of
+      gradients (the stage's last reduction after its last backward has)."""
     sched = _lowered(schedule)
     n, pp, m = sched.num_stages, sched.pp, sched.microbatches
     share = costs.input_grad_share
@@ -254,6 +254,16 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
                 bstart[s][k] = max(after, bstart[s][k - 1] + grad[s] if k else 0.0)
         chain = bstart[0][m - 1] + bwd[0] + reduce_tail(0)
 
+    def reduce_lead(s: int) -> float:
+        """How long after a backward of stage s starts its gradients' reduction may start at the least: after the
+        op that produces them (the B, or the W of a split backward) has run its first bucket's share, or all of it
+        unbucketed; a split backward's I comes first."""
+        if sched.forward_only:
+            return 0.0
+        last_op = bwd[s] - grad[s] if s in split_stages else bwd[s]
+        nb = max(1, costs.reduce_buckets[s])
+        return bwd[s] - last_op + last_op / nb
+
     work = 0.0
     for r in range(pp):
         jobs = [(fstart[s][k], fwd[s]) for s in sched.stages_of(r) for k in range(m)]
@@ -263,7 +273,7 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
         # Its data-parallel stream: each gradient reduction of a stage after a backward of it has started, the
         # stage's last one after its last backward has.
         last = {s: i for i, s in enumerate(reduces[r])}
-        work = max(work, _earliest_end([(bstart[s][m - 1 if last[s] == i else 0], costs.reduce[s])
+        work = max(work, _earliest_end([(bstart[s][m - 1 if last[s] == i else 0] + reduce_lead(s), costs.reduce[s])
                                         for i, s in enumerate(reduces[r])]))
     end = costs.grad_norm if has_step else max(costs.optimizer) + _post_step_param_sync_s(sched, costs)
     return max(chain, work) + end

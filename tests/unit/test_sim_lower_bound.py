@@ -122,12 +122,16 @@ def test_rank_work_holds_the_turn_and_the_last_stage_pace() -> None:
 
 def test_data_parallel_stream_holds_every_reduction() -> None:
     """P = 1, V = 3, M = 1, ZeRO-1, F = 1, backward = 2, a reduction of 10 per stage, by hand: the backwards start
-    at 3, 5 and 7 at the earliest and each stage's reduction after its backward has started, one after the other
-    on the rank's data-parallel stream: 3 + 3 * 10 = 33, above the rank's compute and its last reduction (19).
-    The simulation reduces after each backward ends: 5 + 30."""
+    at 3, 5 and 7 at the earliest and each stage's reduction, unbucketed, after its backward has ended, one after
+    the other on the rank's data-parallel stream: 5 + 3 * 10 = 35, above the rank's compute and its last reduction
+    (19). The simulation is exactly that."""
     n = 3
     costs = Costs([1.0] * n, [2.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [10.0] * n, [0.0] * n, [0.0],
                   grad_norm=0.0, dp_overlap=True, p2p_overlap=True)
     sched = ScheduleSpec("breadth-first", 1, n, 1, zero_stage=1, optimizer_step=False).build()
-    assert step_lower_bound_s(sched, costs) == pytest.approx(33.0, rel=1e-12)
+    assert step_lower_bound_s(sched, costs) == pytest.approx(35.0, rel=1e-12)
     assert simulate_schedule(sched, costs, record_events=False).step_time_s == pytest.approx(35.0, rel=1e-12)
+    # Two buckets per stage: the first reduction may start once half its backward ran (4): 4 + 30 = 34, as simulated.
+    costs = dataclasses.replace(costs, reduce_buckets=[2] * n)
+    assert step_lower_bound_s(sched, costs) == pytest.approx(34.0, rel=1e-12)
+    assert simulate_schedule(sched, costs, record_events=False).step_time_s == pytest.approx(34.0, rel=1e-12)
