@@ -264,14 +264,37 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
         nb = max(1, costs.reduce_buckets[s])
         return bwd[s] - last_op + last_op / nb
 
+    def rank_tail(r: int) -> float:
+        """How long rank r's data-parallel stream outlasts its compute at the least. Every F and I of its other
+        stages precedes its first stage's last backward (they feed it), so after that stage's last W (or B) only
+        W's of its other split stages S may run, S = {} or any set; the stream then still holds the first stage's
+        last bucket and every reduction of S: the step outlasts the compute by the least of, over S, the larger
+        of S's least last bucket and the first stage's plus S's reductions less S's W's. Overlapped reductions
+        only; otherwise the last bucket of whichever stage ends last."""
+        stages = sched.stages_of(r)
+        any_last = min(reduce_tail(s) for s in stages)
+        if sched.forward_only or not costs.dp_overlap:
+            return any_last
+        first = min(stages)
+
+        def net(s: int) -> float:  # a deferred stage's reduction less the W's the compute can run meanwhile
+            return (costs.reduce[s] if s in reduced else 0.0) - m * (bwd[s] - grad[s])
+
+        deferrable = [s for s in stages if s != first and s in split_stages]
+        tail = reduce_tail(first)  # S = {}: the first stage's last W ends the compute
+        for t in deferrable:  # S's stage with the least last bucket, with every other stage whose net is < 0
+            rest = sum(net(s) for s in deferrable if s != t and reduce_tail(s) >= reduce_tail(t) and net(s) < 0)
+            tail = min(tail, max(reduce_tail(t), reduce_tail(first) + net(t) + rest))
+        return max(any_last, tail)
+
     work = 0.0
     for r in range(pp):
         jobs = [(fstart[s][k], fwd[s]) for s in sched.stages_of(r) for k in range(m)]
         if not sched.forward_only:
             jobs += [(bstart[s][k], bwd[s]) for s in sched.stages_of(r) for k in range(m)]
-        work = max(work, _earliest_end(jobs) + min(reduce_tail(s) for s in sched.stages_of(r)))
-        # Its data-parallel stream: each gradient reduction of a stage after a backward of it has started, the
-        # stage's last one after its last backward has.
+        work = max(work, _earliest_end(jobs) + rank_tail(r))
+        # Its data-parallel stream: each gradient reduction of a stage after the op producing its first bucket,
+        # the stage's last one after its last backward.
         last = {s: i for i, s in enumerate(reduces[r])}
         work = max(work, _earliest_end([(bstart[s][m - 1 if last[s] == i else 0] + reduce_lead(s), costs.reduce[s])
                                         for i, s in enumerate(reduces[r])]))

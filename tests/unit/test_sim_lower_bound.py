@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 
 import pytest
 
 from megatron_bfpp.schedule import ScheduleError, ScheduleSpec
+from megatron_bfpp.schedule.ir import Action, Op, Schedule
+from megatron_bfpp.schedule.lower import lower
 from megatron_bfpp.schedule.kinds import KINDS
 from megatron_bfpp.sim import (SearchSpace, analytic_costs, get_hardware, get_model, plan, simulate_schedule,
                                step_lower_bound_s)
@@ -135,3 +138,87 @@ def test_data_parallel_stream_holds_every_reduction() -> None:
     costs = dataclasses.replace(costs, reduce_buckets=[2] * n)
     assert step_lower_bound_s(sched, costs) == pytest.approx(34.0, rel=1e-12)
     assert simulate_schedule(sched, costs, record_events=False).step_time_s == pytest.approx(34.0, rel=1e-12)
+
+
+def test_rank_tail_holds_the_first_stage_reduction_past_deferred_weight_gradients() -> None:
+    """P = 1, V = 2, M = 2 with a split backward, F = I = W = 1, reductions of 10 (stage 0) and 1 (stage 1), by
+    hand. Every F and I precedes stage 0's last W (stage 1's I's feed stage 0's), so the compute (12) can outlast
+    that W only by stage 1's two W's, while the stream still holds stage 0's reduction and stage 1's: 12 - 2 + 10
+    + 1 = 21, which the order deferring stage 1's W's to the end reaches (stage 1's W's first: 22). A bound of the
+    compute and stage 0's reduction (22), or of the compute and the least reduction (13), is wrong or loose."""
+    n = 2
+    costs = Costs([1.0] * n, [2.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [10.0, 1.0], [0.0] * n, [0.0],
+                  grad_norm=0.0, input_grad_share=[0.5] * n, dp_overlap=True, p2p_overlap=True)
+
+    def order(w_stages: tuple[int, int]) -> Schedule:
+        acts = [Action(Op.F, s, k) for k in range(2) for s in range(2)]
+        acts += [Action(Op.I, s, k) for k in range(2) for s in (1, 0)]
+        acts += [Action(Op.W, s, k) for s in w_stages for k in range(2)]
+        return lower(Schedule("by-hand", 1, 2, 2, None, [acts]), zero_stage=1, optimizer_step=False)
+
+    deferred, eager = order((0, 1)), order((1, 0))
+    assert simulate_schedule(deferred, costs, record_events=False).step_time_s == pytest.approx(21.0, rel=1e-12)
+    assert simulate_schedule(eager, costs, record_events=False).step_time_s == pytest.approx(22.0, rel=1e-12)
+    for sched in (deferred, eager):
+        assert step_lower_bound_s(sched, costs) == pytest.approx(21.0, rel=1e-12)
+
+
+def test_rank_tail_defers_every_stage_that_gains() -> None:
+    """P = 1, V = 3, M = 1, F = I = W = 1, reductions of 10, 0.5 and 0.5, by hand: deferring both later stages' W's
+    past stage 0's gains 0.5 each, 9 - 2 + 10 + 0.5 + 0.5 = 18, as the order F F F I I I W0 W1 W2 steps."""
+    n = 3
+    costs = Costs([1.0] * n, [2.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [10.0, 0.5, 0.5], [0.0] * n, [0.0],
+                  grad_norm=0.0, input_grad_share=[0.5] * n, dp_overlap=True, p2p_overlap=True)
+    acts = ([Action(Op.F, s, 0) for s in range(n)] + [Action(Op.I, s, 0) for s in reversed(range(n))]
+            + [Action(Op.W, s, 0) for s in range(n)])
+    sched = lower(Schedule("by-hand", 1, n, 1, None, [acts]), zero_stage=1, optimizer_step=False)
+    assert simulate_schedule(sched, costs, record_events=False).step_time_s == pytest.approx(18.0, rel=1e-12)
+    assert step_lower_bound_s(sched, costs) == pytest.approx(18.0, rel=1e-12)
+
+
+
+def _needs(vp: int):
+    """What an action of one rank's split backward (P = 1) waits for, besides its stage's earlier micro-batch."""
+    return {Op.F: lambda s, k: [(Op.F, s - 1, k)] if s else [],
+            Op.I: lambda s, k: [(Op.I, s + 1, k)] if s < vp - 1 else [(Op.F, s, k)],
+            Op.W: lambda s, k: [(Op.I, s, k)]}
+
+
+def _orders(vp: int, m: int, prefix: tuple[Action, ...] = ()):
+    """Every order of one rank's F, I and W actions (P = 1) that keeps their dependencies and each stage's
+    micro-batch order."""
+    if len(prefix) == 3 * vp * m:
+        yield list(prefix)
+        return
+    done = {(a.op, a.stage, a.microbatch) for a in prefix}
+    needs = _needs(vp)
+    for op in (Op.F, Op.I, Op.W):
+        for s in range(vp):
+            k = sum(1 for a in prefix if a.op is op and a.stage == s)
+            if k < m and all(d in done for d in needs[op](s, k)):
+                yield from _orders(vp, m, prefix + (Action(op, s, k),))
+
+
+def _random_costs(rng: random.Random, vp: int, m: int) -> Costs:
+    """Random stage costs with reductions from a tenth to ten times a stage's work, unbucketed or bucketed."""
+    fwd = [rng.uniform(0.2, 2.0) for _ in range(vp)]
+    return Costs(fwd, [f * rng.uniform(1.5, 2.5) for f in fwd], [0.0] * vp, [0.0] * vp,
+                 [rng.uniform(0.0, 2.0) for _ in range(vp)], [f * m * rng.uniform(0.1, 10.0) for f in fwd],
+                 [rng.uniform(0.0, 2.0) for _ in range(vp)], [0.3], grad_norm=0.01,
+                 input_grad_share=[rng.uniform(0.3, 0.7) for _ in range(vp)],
+                 reduce_buckets=[rng.choice([1, 1, 2, 4]) for _ in range(vp)], dp_overlap=True, p2p_overlap=True)
+
+
+@pytest.mark.parametrize("vp,m,count", [(2, 2, 908), (3, 1, 15)])
+@pytest.mark.parametrize("zero", [1, 3])
+def test_no_order_beats_the_bound(vp: int, m: int, count: int, zero: int) -> None:
+    """Every order of a split backward at P = 1 (908 at V = 2, M = 2; 15 at V = 3, M = 1), under random costs: the
+    bound is at most the best order's step."""
+    orders = [lower(Schedule("by-hand", 1, vp, m, None, [acts]), zero_stage=zero, optimizer_step=False)
+              for acts in _orders(vp, m)]
+    assert len(orders) == count
+    rng = random.Random(zero)
+    for trial in range(40):
+        costs = _random_costs(rng, vp, m)
+        best = min(simulate_schedule(sched, costs, record_events=False).step_time_s for sched in orders)
+        assert best >= step_lower_bound_s(orders[0], costs) - 1e-9, f"trial {trial}: {costs}"
