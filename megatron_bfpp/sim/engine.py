@@ -276,15 +276,13 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
         if sched.forward_only or not costs.dp_overlap:
             return any_last
         first = min(stages)
-
-        def net(s: int) -> float:  # a deferred stage's reduction less the W's the compute can run meanwhile
-            return (costs.reduce[s] if s in reduced else 0.0) - m * (bwd[s] - grad[s])
-
-        deferrable = [s for s in stages if s != first and s in split_stages]
+        # Each deferrable stage's last bucket and its net: its reduction less the W's the compute can run meanwhile.
+        deferrable = [(reduce_tail(s), (costs.reduce[s] if s in reduced else 0.0) - m * (bwd[s] - grad[s]))
+                      for s in stages if s != first and s in split_stages]
         tail = reduce_tail(first)  # S = {}: the first stage's last W ends the compute
-        for t in deferrable:  # S's stage with the least last bucket, with every other stage whose net is < 0
-            rest = sum(net(s) for s in deferrable if s != t and reduce_tail(s) >= reduce_tail(t) and net(s) < 0)
-            tail = min(tail, max(reduce_tail(t), reduce_tail(first) + net(t) + rest))
+        for i, (last, net) in enumerate(deferrable):  # S's least last bucket, with every other stage whose net < 0
+            rest = sum(n for j, (b, n) in enumerate(deferrable) if j != i and b >= last and n < 0)
+            tail = min(tail, max(last, reduce_tail(first) + net + rest))
         return max(any_last, tail)
 
     work = 0.0

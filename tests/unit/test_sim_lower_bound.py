@@ -176,7 +176,6 @@ def test_rank_tail_defers_every_stage_that_gains() -> None:
     assert step_lower_bound_s(sched, costs) == pytest.approx(18.0, rel=1e-12)
 
 
-
 def _needs(vp: int):
     """What an action of one rank's split backward (P = 1) waits for, besides its stage's earlier micro-batch."""
     return {Op.F: lambda s, k: [(Op.F, s - 1, k)] if s else [],
