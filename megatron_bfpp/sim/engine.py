@@ -56,6 +56,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..schedule import COMPUTE_OPS, Action, Op, Schedule, ScheduleError, add_p2p
 from ..schedule.pairs import pairs_of
 from ..schedule.events import TimelineEvent
@@ -186,10 +188,10 @@ def _earliest_end(jobs: list[tuple[float, float]]) -> float:
 
 def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
     """A step time that no order of `schedule`'s stages beats under `costs` and the rules of
-    `simulate_schedule`: the larger of two things every order contains, each followed by what ends the step (the
+    `simulate_schedule`: the largest of three things every order contains, each followed by what ends the step (the
     gradient norm with STEP actions, the optimizer outside the schedule otherwise).
 
-    Both rest on when the k-th forward (backward) of each stage can start at the earliest, as in a flow shop:
+    All rest on when the k-th forward (backward) of each stage can start at the earliest, as in a flow shop:
     after the k-th of the stage before (after) it and its hop, and after k others of its own; the first stage's
     after its parameters are ready, a rank's F's after its STEPs, and the last stage's k-th backward after its
     rank ran k + 1 of its forwards and k of its backwards (the input-gradient part where split).
@@ -201,7 +203,10 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
       with. The fill, each forward round's wait for its first micro-batch and, at M <= P, the turn from
       forwards to backwards and the last stage's pace are in it. Its data-parallel stream likewise: every
       gradient reduction of its stages, each after a backward of that stage has produced its first bucket of
-      gradients (the stage's last reduction after its last backward has)."""
+      gradients (the stage's last reduction after its last backward has).
+    - A rank's drain (`drain_end`): each stage's last backward op after the work it needs, then its reduction and
+      those of the stages whose backward ends later; this holds a long reduction of a later stage (a stage of two
+      layers, say) that the first stage's tail does not."""
     sched = _lowered(schedule)
     n, pp, m = sched.num_stages, sched.pp, sched.microbatches
     share = costs.input_grad_share
@@ -285,8 +290,46 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
             tail = min(tail, max(last, reduce_tail(first) + net + rest))
         return max(any_last, tail)
 
+    def drain_end(r: int) -> float:
+        """When rank r's data-parallel stream ends at the least, seen from each stage c's last backward op (its
+        last W or B). That op follows every F of the rank, every I of its later stages (they feed c's input
+        gradients) and all of c's backward; every other stage either ran its backward ops before it too (all of
+        them below c, its W's above c) or reduces after it, with c. So from any time t, the work above released at
+        or after t, then c's reduction (from its first bucket) and those stages', each stage taking the lesser of
+        its work and its reduction. Overlapped reductions only."""
+        if sched.forward_only or not costs.dp_overlap:
+            return 0.0
+        stages = sorted(sched.stages_of(r))
+        rs = np.array([costs.reduce[s] if s in reduced else 0.0 for s in stages])
+        if not rs.any():
+            return 0.0
+        f_rel = np.array([fstart[s][k] for s in stages for k in range(m)])
+        order = np.argsort(f_rel)
+        f_rel = f_rel[order]
+        f_after = np.cumsum(np.repeat([fwd[s] for s in stages], m)[order][::-1])[::-1]  # released at or after
+        b_rel = np.array([bstart[s] for s in stages])  # [stage, k], non-decreasing in k
+        ts = np.unique(np.concatenate([f_rel, b_rel.ravel()]))  # thresholds
+        first = np.searchsorted(f_rel, ts)
+        base = ts + np.where(first < len(f_rel), f_after[np.minimum(first, len(f_rel) - 1)], 0.0)
+        # [t, stage]: the stage's backwards released at or after t
+        late = m - np.stack([np.searchsorted(row, ts) for row in b_rel], axis=1)
+        b, i_part = np.array([bwd[s] for s in stages]), np.array([grad[s] for s in stages])
+        whole = late * b  # a stage's backward ops
+        later = late * i_part + np.minimum(rs, late * (b - i_part))  # a later stage: its I's, then W's or reduction
+        below = np.cumsum(np.minimum(rs, whole), axis=1) - np.minimum(rs, whole)  # the stages below c
+        above = later.sum(axis=1, keepdims=True) - np.cumsum(later, axis=1)  # the stages above c
+        lead = np.array([(bwd[s] - grad[s] if s in split_stages else bwd[s])
+                         * (1 - 1 / max(1, costs.reduce_buckets[s])) for s in stages])
+        value = base[:, None] + whole + rs - lead + below + above
+        # The work counted from t runs after t only if some of it is certain, not a stage's choice: t no later
+        # than the last release of c's own backward, the rank's F's and its later stages' I's.
+        certain = np.maximum(f_rel.max(), np.maximum.accumulate(b_rel[::-1, -1])[::-1])
+        valid = (ts[:, None] <= certain[None, :]) & (rs > 0)[None, :]
+        return float(value[valid].max(initial=0.0))
+
     work = 0.0
     for r in range(pp):
+        work = max(work, drain_end(r))
         jobs = [(fstart[s][k], fwd[s]) for s in sched.stages_of(r) for k in range(m)]
         if not sched.forward_only:
             jobs += [(bstart[s][k], bwd[s]) for s in sched.stages_of(r) for k in range(m)]
