@@ -290,18 +290,21 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
             tail = min(tail, max(last, reduce_tail(first) + net + rest))
         return max(any_last, tail)
 
-    def drain_end(r: int) -> float:
+    def drain_end(r: int, compute: float, floor: float) -> float:
         """When rank r's data-parallel stream ends at the least, seen from each stage c's last backward op (its
         last W or B). That op follows every F of the rank, every I of its later stages (they feed c's input
         gradients) and all of c's backward; every other stage either ran its backward ops before it too (all of
         them below c, its W's above c) or reduces after it, with c. So from any time t, the work above released at
         or after t, then c's reduction (from its first bucket) and those stages', each stage taking the lesser of
-        its work and its reduction. Overlapped reductions only."""
+        its work and its reduction. Overlapped reductions only. It outlasts the rank's `compute` (its least
+        end) by at most a reduction less its lead: 0.0 where that cannot pass `floor`."""
         if sched.forward_only or not costs.dp_overlap:
             return 0.0
         stages = sorted(sched.stages_of(r))
         rs = np.array([costs.reduce[s] if s in reduced else 0.0 for s in stages])
-        if not rs.any():
+        lead = np.array([(bwd[s] - grad[s] if s in split_stages else bwd[s])
+                         * (1 - 1 / max(1, costs.reduce_buckets[s])) for s in stages])
+        if compute + float((rs - lead).max()) <= floor:
             return 0.0
         f_rel = np.array([fstart[s][k] for s in stages for k in range(m)])
         order = np.argsort(f_rel)
@@ -318,8 +321,6 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
         later = late * i_part + np.minimum(rs, late * (b - i_part))  # a later stage: its I's, then W's or reduction
         below = np.cumsum(np.minimum(rs, whole), axis=1) - np.minimum(rs, whole)  # the stages below c
         above = later.sum(axis=1, keepdims=True) - np.cumsum(later, axis=1)  # the stages above c
-        lead = np.array([(bwd[s] - grad[s] if s in split_stages else bwd[s])
-                         * (1 - 1 / max(1, costs.reduce_buckets[s])) for s in stages])
         value = base[:, None] + whole + rs - lead + below + above
         # The work counted from t runs after t only if some of it is certain, not a stage's choice: t no later
         # than the last release of c's own backward, the rank's F's and its later stages' I's.
@@ -327,20 +328,22 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
         valid = (ts[:, None] <= certain[None, :]) & (rs > 0)[None, :]
         return float(value[valid].max(initial=0.0))
 
-    work = 0.0
+    work, computes = chain, []
     for r in range(pp):
-        work = max(work, drain_end(r))
         jobs = [(fstart[s][k], fwd[s]) for s in sched.stages_of(r) for k in range(m)]
         if not sched.forward_only:
             jobs += [(bstart[s][k], bwd[s]) for s in sched.stages_of(r) for k in range(m)]
-        work = max(work, _earliest_end(jobs) + rank_tail(r))
+        computes.append(_earliest_end(jobs))
+        work = max(work, computes[-1] + rank_tail(r))
         # Its data-parallel stream: each gradient reduction of a stage after the op producing its first bucket,
         # the stage's last one after its last backward.
         last = {s: i for i, s in enumerate(reduces[r])}
         work = max(work, _earliest_end([(bstart[s][m - 1 if last[s] == i else 0] + reduce_lead(s), costs.reduce[s])
                                         for i, s in enumerate(reduces[r])]))
+    for r in range(pp):
+        work = max(work, drain_end(r, computes[r], work))
     end = costs.grad_norm if has_step else max(costs.optimizer) + _post_step_param_sync_s(sched, costs)
-    return max(chain, work) + end
+    return work + end
 
 
 def simulate_schedule(schedule: Schedule, costs: Costs, record_events: bool = True,
