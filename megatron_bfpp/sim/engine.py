@@ -228,6 +228,10 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
             return 0.0
         return costs.reduce[s] / max(1, costs.reduce_buckets[s]) if costs.dp_overlap else costs.reduce[s]
 
+    def reduction(s: int) -> float:
+        """Stage s's gradient reduction (0.0 where the schedule reduces none)."""
+        return costs.reduce[s] if s in reduced else 0.0
+
     # When the first stage's first forward may start: its parameters at the step's start.
     ready = 0.0
     if has_step:
@@ -282,7 +286,7 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
             return any_last
         first = min(stages)
         # Each deferrable stage's last bucket and its net: its reduction less the W's the compute can run meanwhile.
-        deferrable = [(reduce_tail(s), (costs.reduce[s] if s in reduced else 0.0) - m * (bwd[s] - grad[s]))
+        deferrable = [(reduce_tail(s), reduction(s) - m * (bwd[s] - grad[s]))
                       for s in stages if s != first and s in split_stages]
         tail = reduce_tail(first)  # S = {}: the first stage's last W ends the compute
         for i, (last, net) in enumerate(deferrable):  # S's least last bucket, with every other stage whose net < 0
@@ -300,10 +304,9 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
         end) by at most a reduction less its lead: 0.0 where that cannot pass `floor`."""
         if sched.forward_only or not costs.dp_overlap:
             return 0.0
-        stages = sorted(sched.stages_of(r))
-        rs = np.array([costs.reduce[s] if s in reduced else 0.0 for s in stages])
-        lead = np.array([(bwd[s] - grad[s] if s in split_stages else bwd[s])
-                         * (1 - 1 / max(1, costs.reduce_buckets[s])) for s in stages])
+        stages = sched.stages_of(r)  # ascending
+        rs = np.array([reduction(s) for s in stages])
+        lead = np.array([bwd[s] - reduce_lead(s) for s in stages])  # the first bucket's reduction before the op ends
         if compute + float((rs - lead).max()) <= floor:
             return 0.0
         f_rel = np.array([fstart[s][k] for s in stages for k in range(m)])
@@ -312,8 +315,8 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
         f_after = np.cumsum(np.repeat([fwd[s] for s in stages], m)[order][::-1])[::-1]  # released at or after
         b_rel = np.array([bstart[s] for s in stages])  # [stage, k], non-decreasing in k
         ts = np.unique(np.concatenate([f_rel, b_rel.ravel()]))  # thresholds
-        first = np.searchsorted(f_rel, ts)
-        base = ts + np.where(first < len(f_rel), f_after[np.minimum(first, len(f_rel) - 1)], 0.0)
+        f_from = np.searchsorted(f_rel, ts)  # the first forward released at or after t
+        base = ts + np.where(f_from < len(f_rel), f_after[np.minimum(f_from, len(f_rel) - 1)], 0.0)
         # [t, stage]: the stage's backwards released at or after t
         late = m - np.stack([np.searchsorted(row, ts) for row in b_rel], axis=1)
         b, i_part = np.array([bwd[s] for s in stages]), np.array([grad[s] for s in stages])
