@@ -186,6 +186,27 @@ def _earliest_end(jobs: list[tuple[float, float]]) -> float:
     return t
 
 
+def _in_turn(release: np.ndarray, dur: float) -> np.ndarray:
+    """When the k-th of a stage's jobs, each taking `dur`, starts at the earliest: after its release and the
+    k-1-th's end (k * dur + the running maximum of release[j] - j * dur)."""
+    k = np.arange(len(release)) * dur
+    return k + np.maximum.accumulate(release - k)
+
+
+def _after_both(prev: np.ndarray, p_prev: float, own: np.ndarray, p_own: float) -> np.ndarray:
+    """For each k, the earliest end on one machine of k + 1 jobs released at `prev` (each taking p_prev) and k
+    released at `own` (p_own), both non-decreasing: the most, over thresholds t among their releases, of t plus
+    the work released at or after t. The k-th forward of a stage waits for those of the rank's stage before it
+    (its micro-batch and the k before it passed there) and its own k."""
+    m = len(prev)
+    k = np.arange(m)
+    taus = np.concatenate([prev, own])
+    joins = np.concatenate([k, k + 1])  # the first k whose set holds that release
+    work = (p_prev * np.maximum(0, k[None, :] + 1 - np.searchsorted(prev, taus)[:, None])
+            + p_own * np.maximum(0, k[None, :] - np.searchsorted(own, taus)[:, None]))
+    return np.where(joins[:, None] <= k[None, :], taus[:, None] + work, -np.inf).max(axis=0)
+
+
 def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
     """A step time that no order of `schedule`'s stages beats under `costs` and the rules of
     `simulate_schedule`: the largest of three things every order contains, each followed by what ends the step (the
@@ -193,8 +214,10 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
 
     All rest on when the k-th forward (backward) of each stage can start at the earliest, as in a flow shop:
     after the k-th of the stage before (after) it and its hop, and after k others of its own; the first stage's
-    after its parameters are ready, a rank's F's after its STEPs, and the last stage's k-th backward after its
-    rank ran k + 1 of its forwards and k of its backwards (the input-gradient part where split).
+    after its parameters are ready, a rank's F's after its STEPs, a stage's k-th forward after its rank ran k + 1
+    forwards of the rank's stage before it and k of its own (one machine, in the best order), and the last
+    stage's k-th backward after its rank ran k + 1 of its forwards and k of its backwards (the input-gradient
+    part where split).
 
     - The first stage's last backward (the whole backward: its reduction needs the weight gradients), then its
       gradient reduction (its last bucket where bucketed): the last micro-batch's chain, the bound at M < P.
@@ -244,10 +267,14 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
     # A rank's STEPs run on its compute stream before its first forward.
     steps = [sum(costs.step[s] for s in sched.stages_of(r)) if has_step else 0.0 for r in range(pp)]
     fstart = [[0.0] * m for _ in range(n)]  # fstart[s][k]: the k-th forward of stage s starts no earlier
+    before = {s: max((t for t in sched.stages_of(sched.rank_of(s)) if t < s), default=None) for s in range(n)}
     for s in range(n):
-        for k in range(m):
-            fstart[s][k] = max(ready if s == 0 else fstart[s - 1][k] + fwd[s - 1] + hops[s - 1],
-                               fstart[s][k - 1] + fwd[s] if k else 0.0, steps[sched.rank_of(s)])
+        arrive = np.full(m, ready) if s == 0 else np.array(fstart[s - 1]) + (fwd[s - 1] + hops[s - 1])
+        starts = _in_turn(np.maximum(arrive, steps[sched.rank_of(s)]), fwd[s])
+        if before[s] is not None:  # and after its rank ran the forwards it needs of both stages
+            starts = _in_turn(np.maximum(starts, _after_both(np.array(fstart[before[s]]), fwd[before[s]], starts,
+                                                             fwd[s])), fwd[s])
+        fstart[s] = starts.tolist()
     if sched.forward_only:
         chain = fstart[n - 1][m - 1] + fwd[n - 1]
         bstart: list[list[float]] = []

@@ -267,3 +267,16 @@ def test_no_order_beats_the_bound(vp: int, m: int, count: int, zero: int) -> Non
         costs = _random_costs(rng, vp, m)
         best = min(simulate_schedule(sched, costs, record_events=False).step_time_s for sched in orders)
         assert best >= step_lower_bound_s(orders[0], costs) - 1e-9, f"trial {trial}: {costs}"
+
+
+def test_a_forward_waits_for_its_rank_to_run_the_stage_before_it() -> None:
+    """P = V = M = 2, forward only, F = 2, 1, 4, 1 for stages 0-3, free transfers, by hand. Stage 2's second
+    forward follows stage 1's (4 + 1) and its own first (3 + 4), so a flow shop allows 7 and the end 7 + 4 + 1 =
+    12; but rank 0 runs both of stage 0's forwards (0-2, 2-4) and stage 2's first (4-8) before it, so it starts
+    at 8 and the step ends at 13, which every order reaches at best (breadth-first does)."""
+    n, pp = 4, 2
+    costs = Costs([2.0, 1.0, 4.0, 1.0], [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n,
+                  [0.0] * pp, grad_norm=0.0, dp_overlap=True, p2p_overlap=True)
+    sched = ScheduleSpec("breadth-first", pp, 2, 2, forward_only=True).build()
+    assert step_lower_bound_s(sched, costs) == pytest.approx(13.0, rel=1e-12)
+    assert simulate_schedule(sched, costs, record_events=False).step_time_s == pytest.approx(13.0, rel=1e-12)
