@@ -213,7 +213,7 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
     gradient norm with STEP actions, the optimizer outside the schedule otherwise).
 
     All rest on when the k-th forward (backward) of each stage can start at the earliest, as in a flow shop:
-    after the k-th of the stage before (after) it and its hop, and after k others of its own; the first stage's
+    after the k-th of the stage before (after) it and its hop, and after k others of its own; a stage's forwards
     after its parameters are ready, a rank's F's after its STEPs, a stage's k-th forward after its rank ran k + 1
     forwards of the rank's stage before it and k of its own (one machine, in the best order), and the last
     stage's k-th backward after its rank ran k + 1 of its forwards and k of its backwards (the input-gradient
@@ -255,22 +255,31 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
         """Stage s's gradient reduction (0.0 where the schedule reduces none)."""
         return costs.reduce[s] if s in reduced else 0.0
 
-    # When the first stage's first forward may start: its parameters at the step's start.
-    ready = 0.0
-    if has_step:
-        if zero == 3:
-            ready = costs.step[0] + costs.gather[0]
-        elif costs.param_sync[0] > 0:
-            ready = costs.step[0] + costs.param_sync[0] / max(1, costs.param_sync_buckets[0])
-    elif costs.dp_overlap and zero in (1, 2, None) and costs.param_sync[0] > 0:
-        ready = max(0.0, costs.param_sync[0] / max(1, costs.param_sync_buckets[0]) - costs.param_sync_lead[0])
+    tail_gathers = {a.stage for r in range(pp) if has_step and sched.step_boundary(r) is not None
+                    for a in sched.ranks[r][sched.step_boundary(r):] if a.op is Op.GATHER}
+
+    def params_ready(s: int) -> float:
+        """When stage s's first forward may start at the earliest for its parameters: after its STEP and its
+        all-gather (the first bucket of a ZeRO-1/2 one) in the step's tail, or after the first bucket of its
+        post-optimizer all-gather, issued at the step's start (the rank's first one `param_sync_lead` earlier)."""
+        if has_step:
+            if s not in tail_gathers:
+                return 0.0
+            if zero == 3:
+                return costs.step[s] + costs.gather[s]
+            return costs.step[s] + costs.param_sync[s] / max(1, costs.param_sync_buckets[s])
+        if costs.dp_overlap and zero in (1, 2, None) and costs.param_sync[s] > 0:
+            return max(0.0, costs.param_sync[s] / max(1, costs.param_sync_buckets[s])
+                       - costs.param_sync_lead[sched.rank_of(s)])
+        return 0.0
+
     # A rank's STEPs run on its compute stream before its first forward.
     steps = [sum(costs.step[s] for s in sched.stages_of(r)) if has_step else 0.0 for r in range(pp)]
     fstart = [[0.0] * m for _ in range(n)]  # fstart[s][k]: the k-th forward of stage s starts no earlier
     before = {s: max((t for t in sched.stages_of(sched.rank_of(s)) if t < s), default=None) for s in range(n)}
     for s in range(n):
-        arrive = np.full(m, ready) if s == 0 else np.array(fstart[s - 1]) + (fwd[s - 1] + hops[s - 1])
-        starts = _in_turn(np.maximum(arrive, steps[sched.rank_of(s)]), fwd[s])
+        arrive = np.zeros(m) if s == 0 else np.array(fstart[s - 1]) + (fwd[s - 1] + hops[s - 1])
+        starts = _in_turn(np.maximum(arrive, max(steps[sched.rank_of(s)], params_ready(s))), fwd[s])
         if before[s] is not None:  # and after its rank ran the forwards it needs of both stages
             starts = _in_turn(np.maximum(starts, _after_both(np.array(fstart[before[s]]), fwd[before[s]], starts,
                                                              fwd[s])), fwd[s])

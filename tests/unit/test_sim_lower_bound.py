@@ -280,3 +280,20 @@ def test_a_forward_waits_for_its_rank_to_run_the_stage_before_it() -> None:
     sched = ScheduleSpec("breadth-first", pp, 2, 2, forward_only=True).build()
     assert step_lower_bound_s(sched, costs) == pytest.approx(13.0, rel=1e-12)
     assert simulate_schedule(sched, costs, record_events=False).step_time_s == pytest.approx(13.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_each_stage_waits_for_its_parameters(zero: int) -> None:
+    """P = 2, V = M = 1 with the optimizer in the schedule, F = 1, backward = 2, free transfers, STEPs of 0.1, by
+    hand: stage 1's parameters (an all-gather of 5 after its STEP, ZeRO-1's post-optimizer one or ZeRO-3's) are
+    ready at 5.1, long after stage 0's forward ended (0.6 + 1), so its forward runs 5.1-6.1, the backwards 6.1-8.1
+    and 8.1-10.1, stage 0's reduction 10.1-11.1: the step is that chain, which a flow shop from stage 0's
+    parameters alone puts at 7.6."""
+    n, pp = 2, 2
+    gathers = [0.5, 5.0]
+    costs = Costs([1.0] * n, [2.0] * n, [0.0] * n, [0.0] * n, gathers if zero == 3 else [0.0] * n, [1.0] * n,
+                  [0.0] * n if zero == 3 else gathers, [0.2] * pp, step=[0.1] * n, grad_norm=0.0,
+                  dp_overlap=True, p2p_overlap=True)
+    sched = ScheduleSpec("1f1b", pp, 1, 1, zero_stage=zero).build()
+    assert simulate_schedule(sched, costs, record_events=False).step_time_s == pytest.approx(11.1, rel=1e-12)
+    assert step_lower_bound_s(sched, costs) == pytest.approx(11.1, rel=1e-12)
