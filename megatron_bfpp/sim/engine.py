@@ -255,8 +255,9 @@ def step_lower_bound_s(schedule: Schedule, costs: Costs) -> float:
         """Stage s's gradient reduction (0.0 where the schedule reduces none)."""
         return costs.reduce[s] if s in reduced else 0.0
 
-    tail_gathers = {a.stage for r in range(pp) if has_step and sched.step_boundary(r) is not None
-                    for a in sched.ranks[r][sched.step_boundary(r):] if a.op is Op.GATHER}
+    boundaries = [sched.step_boundary(r) if has_step else None for r in range(pp)]
+    tail_gathers = {a.stage for r, b in enumerate(boundaries) if b is not None
+                    for a in sched.ranks[r][b:] if a.op is Op.GATHER}
 
     def params_ready(s: int) -> float:
         """When stage s's first forward may start at the earliest for its parameters: after its STEP and its
