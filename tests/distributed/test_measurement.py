@@ -114,12 +114,13 @@ ZERO3_D2 = ("--num-layers 4 --hidden-size 16 --num-attention-heads 2 --seq-lengt
             "--micro-batch-size 1 --global-batch-size 8 --train-iters 2 --lr 1e-3 --seed 5 --vocab-size 64 "
             "--mock-data --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
             "--pipeline-schedule breadth-first --zero-stage 3 --log-interval 100").split()
-DP_DELAY_S = 0.3
+DP_DELAY_S = 0.6
 
 
 def _zero3_worker(rank: int, world: int) -> list[dict]:
     """Two runs: as they are, then with data-parallel rank 1 sleeping DP_DELAY_S before launching each
-    all-gather and reduce-scatter. Returns, per run, this rank's recorded events and data-parallel rank."""
+    all-gather and reduce-scatter. Returns, per run, this rank's recorded events, data-parallel rank and sleeps
+    (wall-clock intervals, the recorder's clock)."""
     import torch.distributed as dist
 
     import megatron_bfpp.runtime as runtime
@@ -131,10 +132,14 @@ def _zero3_worker(rank: int, world: int) -> list[dict]:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     originals = comm.all_gather, comm.reduce_scatter
 
+    sleeps: list[tuple[float, float]] = []
+
     def late(launch):
         def wrapper(out, inp, group, *args, **kwargs):
             if comm.group_rank(group) == 1:
+                start = time.time()
                 time.sleep(DP_DELAY_S)
+                sleeps.append((start, time.time()))
             return launch(out, inp, group, *args, **kwargs)
         return wrapper
 
@@ -148,7 +153,9 @@ def _zero3_worker(rank: int, world: int) -> list[dict]:
         trainer.run()
         recorder = next(r for r in recorders if r is not None)
         recorders.clear()
-        runs.append({"events": [e.to_dict() for e in recorder.events], "dp_rank": trainer.dp_rank})
+        runs.append({"events": [e.to_dict() for e in recorder.events], "dp_rank": trainer.dp_rank,
+                     "sleeps": list(sleeps)})
+        sleeps.clear()
         parallel.destroy_parallel()
     comm.all_gather, comm.reduce_scatter = originals
     runtime.set_recorder = set_recorder
@@ -159,8 +166,8 @@ def _zero3_worker(rank: int, world: int) -> list[dict]:
 def test_zero3_data_parallel_waits_are_exposed_dp_not_compute(run_distributed):
     """D = 2, ZeRO-3: every data-parallel wait (parameter all-gather, gradient buffer, final reduce) lies
     outside its rank's compute; when one replica launches its collectives DP_DELAY_S late, the other
-    replica's exposed data-parallel wait grows by at least most of it, and no rank's compute grows (the late
-    replica sleeps in its launches, outside compute)."""
+    replica's exposed data-parallel wait grows by at least most of it, none of its sleeps lies inside a compute
+    interval of its rank, and no rank's compute grows by most of it."""
     per_rank = run_distributed(_zero3_worker, 4)
     base_events, base = _metrics([runs[0]["events"] for runs in per_rank], iteration=2)
     late_events, late = _metrics([runs[1]["events"] for runs in per_rank], iteration=2)
@@ -173,6 +180,12 @@ def test_zero3_data_parallel_waits_are_exposed_dp_not_compute(run_distributed):
                         and e.op not in ("WAIT", "IDLE")]
             assert not any(c.start < w.end and w.start < c.end for c in computes), w
     dp_rank_of = {rank: runs[0]["dp_rank"] for rank, runs in enumerate(per_rank)}
+    for rank, runs in enumerate(per_rank):
+        assert bool(runs[1]["sleeps"]) == (dp_rank_of[rank] == 1), (rank, runs[1]["sleeps"])
+        computes = [e for e in late_events if e.rank == rank and e.stream == "compute" and e.op not in ("WAIT", "IDLE")]
+        for start, end in runs[1]["sleeps"]:
+            assert not any(c.start < end and start < c.end for c in computes), (rank, start, end)
+    # The same in aggregate, with room for the noise of four processes on shared cores.
     for b, lt in zip(base.ranks, late.ranks):
         assert lt.compute_s < b.compute_s + 0.5 * DP_DELAY_S, (b, lt)
         if dp_rank_of[b.rank] == 0:
