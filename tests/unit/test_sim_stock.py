@@ -126,8 +126,8 @@ def test_param_gather_with_optimizer_step_costs_and_rules() -> None:
             check_config(GPT13, H200, bad)
 
 
-def _plan_json(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, dict]:
-    code = plan_main(["--model", "gpt-1.3b", "--hardware", "h200", "--gpus", "16", "--global-batch-size", "8",
+def _plan_json(capsys: pytest.CaptureFixture, *argv: str, gpus: int = 16) -> tuple[int, dict]:
+    code = plan_main(["--model", "gpt-1.3b", "--hardware", "h200", "--gpus", str(gpus), "--global-batch-size", "8",
                       "--json", *argv])
     return code, json.loads(capsys.readouterr().out)
 
@@ -157,7 +157,7 @@ def test_cli_stock_flag_reaches_the_stock_search(capsys: pytest.CaptureFixture) 
 
 
 def test_cli_plan_without_stock_searches_ours(capsys: pytest.CaptureFixture) -> None:
-    code, ours = _plan_json(capsys)
+    code, ours = _plan_json(capsys, gpus=8)  # (8 GPUs: a smaller search than 16)
     assert code == 0 and ours["stock"] is False
     assert not any(c["config"]["overlap_param_gather_with_optimizer_step"] for c in ours["candidates"])
     # The JSON fields of before keep their names.
