@@ -4,11 +4,11 @@ Pure Python, fast."""
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 
+import tests.support.megatron_parser  # noqa: F401  (Megatron's parser: imported once, at collection)
+from megatron_bfpp.cli import main as cli_main
 from megatron_bfpp.schedule import build, peak_pending_weight_grads
 from megatron_bfpp.sim import (
     STOCK, Config, Partition, SearchSpace, analytic_costs, get_hardware, get_model, plan, predict, simulate_schedule,
@@ -289,35 +289,36 @@ def test_unrestricted_plan_picks_a_split_schedule_at_small_batch():
     assert best.tflops_per_gpu > today.candidates[0].tflops_per_gpu
 
 
-def _bfpp(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_bfpp.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+def _bfpp(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    """`bfpp` in this process (tests/unit/test_sim_cli.py runs the entry point as a process): exit code, stdout."""
+    code = cli_main(list(args))
+    return code, capsys.readouterr().out
 
 
-def test_cli_simulate_and_plan_accept_the_new_schedules(subprocesses):
+def test_cli_simulate_and_plan_accept_the_new_schedules(capsys: pytest.CaptureFixture) -> None:
     base = ["--model", "gpt-52b", "--hardware", "dgx-a100", "--gpus", "512", "--global-batch-size", "32"]
-    out = _bfpp("simulate", *base, "--micro-batch-size", "1", "--tensor-model-parallel-size", "8",
-                "--pipeline-model-parallel-size", "8", "--num-layers-per-virtual-pipeline-stage", "1",
-                "--pipeline-schedule", "breadth-first-zb", "--zero-stage", "3", "--json")
-    assert out.returncode == 0, out.stderr
-    d = json.loads(out.stdout)
+    code, out = _bfpp(capsys, "simulate", *base, "--micro-batch-size", "1", "--tensor-model-parallel-size", "8",
+                      "--pipeline-model-parallel-size", "8", "--num-layers-per-virtual-pipeline-stage", "1",
+                      "--pipeline-schedule", "breadth-first-zb", "--zero-stage", "3", "--json")
+    assert code == 0
+    d = json.loads(out)
     assert d["config"]["pipeline_schedule"] == "breadth-first-zb" and d["config"]["w_reruns_input_grad"] is False
     assert d["peak_pending_weight_grads"] and max(d["peak_pending_weight_grads"]) >= 1
     assert {"step_time_s", "tflops_per_gpu", "bubble_fraction", "peak_memory_gib", "fits"} <= set(d)
-    out = _bfpp("simulate", *base, "--micro-batch-size", "1", "--tensor-model-parallel-size", "8",
-                "--pipeline-model-parallel-size", "8", "--pipeline-schedule", "zb-h1", "--split-backward-w",
-                "rerun-dgrad", "--json")
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["config"]["w_reruns_input_grad"] is True
-    out = _bfpp("simulate", *base, "--micro-batch-size", "1", "--tensor-model-parallel-size", "8",
-                "--pipeline-model-parallel-size", "8", "--pipeline-schedule", "zb-h1", "--split-backward-w",
-                "at-i", "--json")
-    assert out.returncode == 0, out.stderr
-    config = json.loads(out.stdout)["config"]
+    code, out = _bfpp(capsys, "simulate", *base, "--micro-batch-size", "1", "--tensor-model-parallel-size", "8",
+                      "--pipeline-model-parallel-size", "8", "--pipeline-schedule", "zb-h1", "--split-backward-w",
+                      "rerun-dgrad", "--json")
+    assert code == 0
+    assert json.loads(out)["config"]["w_reruns_input_grad"] is True
+    code, out = _bfpp(capsys, "simulate", *base, "--micro-batch-size", "1", "--tensor-model-parallel-size", "8",
+                      "--pipeline-model-parallel-size", "8", "--pipeline-schedule", "zb-h1", "--split-backward-w",
+                      "at-i", "--json")
+    assert code == 0
+    config = json.loads(out)["config"]
     assert config["w_at_input_grad"] is True and config["w_reruns_input_grad"] is False
     # Megatron's split only: the free layouts and their refinement (tests/unit/test_sim_layouts.py) would add 15 s.
-    out = _bfpp("plan", *base, "--pipeline-schedule", "interleaved-zb", "--top", "2", "--json", "--layout-search",
-                "off")
-    assert out.returncode == 0, out.stderr
-    cands = json.loads(out.stdout)["candidates"]
+    code, out = _bfpp(capsys, "plan", *base, "--pipeline-schedule", "interleaved-zb", "--top", "2", "--json",
+                      "--layout-search", "off")
+    assert code == 0
+    cands = json.loads(out)["candidates"]
     assert cands and all(c["config"]["pipeline_schedule"] == "interleaved-zb" for c in cands)
